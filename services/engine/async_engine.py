@@ -1,0 +1,155 @@
+"""An async client over the synchronous engine core, which runs in its own thread.
+
+Services call `generate()` (an async stream of RequestOutput), `abort()` and `stats()`. Only the engine
+thread touches the core's mutable state; callers talk to it through a command queue, and outputs come
+back through each stream's asyncio queue. Closing a stream early (client gone, cancel, deadline) aborts
+the request, so every KV block returns to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.common.sampling import SamplingParams
+from services.engine.core import EngineCore, EngineStats, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an internal error; the service must restart."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | BaseException]
+    seq_ids: list[str] = field(default_factory=list)
+
+    def deliver(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._error: BaseException | None = None
+        self._stats = core.stats()
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (cheap, thread-safe)."""
+        return self._stats
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        extra_key: bytes = b"",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one output per new token until all n sequences finish. Bad input raises before queueing."""
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._error
+        self.core.validate(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._submit(lambda: self._add(request_id, list(prompt_token_ids), params, priority, extra_key))
+        num_open = params.n
+        try:
+            while num_open:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    num_open -= 1
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if num_open:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, key: bytes
+    ) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:  # the caller went away before its request reached the engine
+            return
+        try:
+            stream.seq_ids = self.core.add_request(
+                request_id, prompt, params, priority=priority, extra_key=key
+            )
+        except Exception as exc:  # a typed error for the caller, not the loop
+            stream.deliver(exc)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        seq_ids = stream.seq_ids if stream else []
+        if not seq_ids:
+            seq_ids = [s for s in self.core.scheduler.requests if s.partition("#")[0] == request_id]
+        self.core.abort(seq_ids)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if not self.core.has_work():
+                    self._stats = self.core.stats()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outputs = self.core.step()
+                self.last_step_time = time.monotonic()
+                self._stats = self.core.stats()
+                for output in outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.deliver(output)
+        except BaseException as exc:
+            log.exception("engine loop stopped")
+            self._error = exc
+            for stream in list(self._streams.values()):
+                stream.deliver(EngineDeadError("the engine loop stopped"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()

@@ -1,0 +1,154 @@
+"""Attention over the paged KV cache: a batched fast path and an independent dense reference.
+
+The cache of one layer is a flat array of slots, `[num_slots, 2, num_kv_heads, head_dim]`, where slot
+`block_id * block_size + offset` holds the K (index 0) and V (index 1) of one token. A step's tokens are
+laid out flat: every decode row (one query token each) first, then every prefill chunk. Each group is
+attended in one batched call: the context of each row is gathered from its block table into a padded
+tensor, with a mask for padding and causality. No per-sequence Python loop runs per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One sequence in a step: its block table, where its new tokens start, and how many there are."""
+
+    block_ids: Sequence[int]
+    start_position: int
+    num_new_tokens: int
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + self.num_new_tokens
+
+
+@dataclass
+class GroupMetadata:
+    num_rows: int
+    gather_slots: torch.Tensor  # [num_rows, max_ctx] slot of each context token (padding -> 0)
+    mask: torch.Tensor | None  # [num_rows, 1, max_q, max_ctx] True = may attend; None = attend all
+    query_index: torch.Tensor | None  # [num_rows, max_q] index into the group's flat tokens
+    query_valid: torch.Tensor | None  # [num_rows, max_q] False on padded query slots
+
+
+@dataclass
+class AttentionMetadata:
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    positions: torch.Tensor  # [num_tokens]
+    decode: GroupMetadata | None
+    prefill: GroupMetadata | None
+
+
+def _slots(block_ids: Sequence[int], positions: range, block_size: int) -> list[int]:
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def build_metadata(decode_rows: Sequence[RowSpec], prefill_rows: Sequence[RowSpec], block_size: int):
+    """Metadata for one step. Rows must be given in the flat token order: decode rows, then prefill."""
+    slot_mapping: list[int] = []
+    positions: list[int] = []
+    for row in (*decode_rows, *prefill_rows):
+        new_positions = range(row.start_position, row.context_len)
+        positions.extend(new_positions)
+        slot_mapping.extend(_slots(row.block_ids, new_positions, block_size))
+    return AttentionMetadata(
+        num_decode_tokens=len(decode_rows),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),  # [num_tokens]
+        positions=torch.tensor(positions, dtype=torch.long),  # [num_tokens]
+        decode=_group(decode_rows, block_size, is_decode=True) if decode_rows else None,
+        prefill=_group(prefill_rows, block_size, is_decode=False) if prefill_rows else None,
+    )
+
+
+def _group(rows: Sequence[RowSpec], block_size: int, is_decode: bool) -> GroupMetadata:
+    max_ctx = max(r.context_len for r in rows)
+    max_blocks = -(-max_ctx // block_size)
+    table = torch.tensor(
+        [list(r.block_ids[:max_blocks]) + [0] * (max_blocks - len(r.block_ids[:max_blocks])) for r in rows]
+    )  # [num_rows, max_blocks]
+    key_pos = torch.arange(max_ctx)  # [max_ctx]
+    gather = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [num_rows, max_ctx]
+    ctx_lens = torch.tensor([r.context_len for r in rows])  # [num_rows]
+    if is_decode:
+        same_len = bool((ctx_lens == max_ctx).all())
+        mask = None if same_len else (key_pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+        return GroupMetadata(len(rows), gather, mask, None, None)
+    max_q = max(r.num_new_tokens for r in rows)
+    q_lens = torch.tensor([r.num_new_tokens for r in rows])  # [num_rows]
+    starts = torch.tensor([r.start_position for r in rows])  # [num_rows]
+    q_off = torch.arange(max_q)  # [max_q]
+    query_pos = starts[:, None] + q_off[None, :]  # [num_rows, max_q]
+    causal = key_pos[None, None, :] <= query_pos[:, :, None]  # [num_rows, max_q, max_ctx]
+    in_ctx = key_pos[None, None, :] < ctx_lens[:, None, None]  # [num_rows, 1, max_ctx]
+    mask = (causal & in_ctx)[:, None]  # [num_rows, 1, max_q, max_ctx]
+    valid = q_off[None, :] < q_lens[:, None]  # [num_rows, max_q]
+    first = torch.cumsum(q_lens, 0) - q_lens  # [num_rows] offset of each row in the flat tokens
+    query_index = torch.where(valid, first[:, None] + q_off[None, :], 0)  # [num_rows, max_q]
+    return GroupMetadata(len(rows), gather, mask, query_index, valid)
+
+
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new K/V. cache: [num_slots, 2, num_kv_heads, head_dim]; k, v: [num_tokens, kv_heads, hd]."""
+    cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1))  # [num_tokens, 2, kv_heads, hd]
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    num_decode = meta.num_decode_tokens
+    if meta.decode is not None:
+        q_d = q[:num_decode].unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
+        out[:num_decode] = _attend(q_d, cache, meta.decode).squeeze(2)
+    if meta.prefill is not None:
+        group = meta.prefill
+        if group.query_index is None or group.query_valid is None:
+            raise ValueError("prefill group metadata lacks its query layout")
+        q_p = q[num_decode:][group.query_index].transpose(1, 2)  # [num_rows, num_heads, max_q, head_dim]
+        o_p = _attend(q_p, cache, group).transpose(1, 2)  # [num_rows, max_q, num_heads, head_dim]
+        out[num_decode:] = o_p[group.query_valid]  # [num_prefill_tokens, num_heads, head_dim]
+    return out
+
+
+def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
+    num_rows, max_ctx = group.gather_slots.shape
+    _, _, num_kv_heads, head_dim = cache.shape
+    kv = cache.index_select(0, group.gather_slots.view(-1))  # [num_rows * max_ctx, 2, kv_heads, hd]
+    kv = kv.view(num_rows, max_ctx, 2, num_kv_heads, head_dim)
+    k = kv[:, :, 0].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
+    v = kv[:, :, 1].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, enable_gqa=True)
+
+
+def reference_attention(
+    q: torch.Tensor, cache: torch.Tensor, rows: Sequence[RowSpec], block_size: int
+) -> torch.Tensor:
+    """Slow, plain path: per row, copy its blocks into dense K/V, then float64 softmax attention.
+
+    q: [num_tokens, num_heads, head_dim] in the flat order of `rows`. Shares no code with the fast path.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    outputs = []
+    offset = 0
+    for row in rows:
+        blocks = [cache[b * block_size : (b + 1) * block_size] for b in row.block_ids]
+        dense = torch.cat(blocks)[: row.context_len].double()  # [ctx, 2, kv_heads, head_dim]
+        group_size = num_heads // dense.shape[2]
+        k = dense[:, 0].repeat_interleave(group_size, dim=1)  # [ctx, num_heads, head_dim]
+        v = dense[:, 1].repeat_interleave(group_size, dim=1)  # [ctx, num_heads, head_dim]
+        q_row = q[offset : offset + row.num_new_tokens].double()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q_row, k) / head_dim**0.5  # [num_heads, q_len, ctx]
+        query_pos = torch.arange(row.start_position, row.context_len)[:, None]
+        allowed = torch.arange(row.context_len)[None, :] <= query_pos  # [q_len, ctx]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, v))  # [q_len, num_heads, head_dim]
+        offset += row.num_new_tokens
+    return torch.cat(outputs).to(q.dtype)  # [num_tokens, num_heads, head_dim]

@@ -1,0 +1,84 @@
+"""Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, commit, free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.block_pool import BlockPool
+from services.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens: what lookups asked for, and what they found."""
+
+    num_queries: int = 0
+    num_hits: int = 0
+
+
+@dataclass
+class KVCacheManager:
+    pool: BlockPool
+    block_size: int
+    prefix_stats: PrefixCacheStats
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks for the request's leading full blocks. The last token is always recomputed,
+        so the engine has logits to sample from."""
+        num_cacheable = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:num_cacheable]
+        token_blocks = [
+            request.token_ids[i * self.block_size : (i + 1) * self.block_size] for i in range(len(hashes))
+        ]
+        hits = self.pool.lookup(hashes, token_blocks)
+        self.prefix_stats.num_queries += request.num_tokens
+        self.prefix_stats.num_hits += len(hits) * self.block_size
+        return hits
+
+    def admit(self, request: Request, cached_block_ids: list[int], num_new_tokens: int) -> bool:
+        """Give a waiting request its cached prefix plus room for `num_new_tokens`; False if full."""
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        num_needed = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached_block_ids)
+        # Cached blocks still in the LRU queue are not available for fresh allocation.
+        num_reclaimable = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_cnt == 0)
+        if num_needed > self.pool.num_available - num_reclaimable:
+            return False
+        self.pool.touch(cached_block_ids)
+        new_block_ids = self.pool.allocate(num_needed)
+        if new_block_ids is None:  # cannot happen after the check above; keep the pool consistent
+            self.pool.free(cached_block_ids)
+            return False
+        request.block_ids = cached_block_ids + new_block_ids
+        request.num_computed_tokens = num_cached_tokens
+        request.num_committed_blocks = len(cached_block_ids)
+        return True
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens of a running request; False if full."""
+        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        num_extra = num_needed - len(request.block_ids)
+        if num_extra <= 0:
+            return True
+        new_block_ids = self.pool.allocate(num_extra)
+        if new_block_ids is None:
+            return False
+        request.block_ids.extend(new_block_ids)
+        return True
+
+    def commit(self, request: Request) -> None:
+        """Register every full block whose KV is now computed, so later requests can reuse it."""
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for index in range(request.num_committed_blocks, num_full):
+            tokens = request.token_ids[index * self.block_size : (index + 1) * self.block_size]
+            self.pool.commit(request.block_ids[index], request.block_hashes[index], tokens)
+        request.num_committed_blocks = max(request.num_committed_blocks, num_full)
+
+    def release(self, request: Request) -> None:
+        """Return every block of the request to the pool. Committed blocks stay cached."""
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_committed_blocks = 0

@@ -1,0 +1,110 @@
+"""A request's state inside the engine: token IDs in, token IDs out. No tensors, no I/O."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.block_hash import BlockHasher
+from services.common.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS or stop token ID was sampled
+    LENGTH = "length"  # max_tokens, or the model's context, was reached
+    ABORT = "abort"  # aborted by the caller (cancel, deadline)
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and, when asked for, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    """One sequence. The scheduler gives it tokens until `num_computed_tokens` reaches `num_tokens`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_hasher: BlockHasher
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Followers of a parallel-sampling group wait until the leader's prompt is cached, so they share it.
+    group_leader_id: str | None = None
+    max_model_len: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    _admitted_once: bool = False
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.block_hasher.update(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.block_hasher.hashes
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Lower sorts first: higher priority value means served later (like vLLM)."""
+        return (self.priority, self.arrival_time)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.block_hasher.update(self.token_ids)
+
+    def check_stop(self) -> FinishReason | None:
+        """The finish reason after the last appended token, or None to keep going."""
+        last = self.token_ids[-1]
+        num_out = self.num_output_tokens
+        stops = last in self.params.stop_token_ids or (
+            not self.params.ignore_eos and last in self.eos_token_ids
+        )
+        if stops and num_out >= self.params.min_tokens:
+            return FinishReason.STOP
+        if num_out >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,88 @@
+"""Turns a scheduler step into tensors, runs the model, and samples. Tensors live here and below."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import RowSpec, build_metadata
+from services.engine.models.registry import CausalLM
+from services.engine.request import Request, TokenLogprob
+from services.engine.sampler import SamplingBatch, SamplingRow, sample
+from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    """The token sampled for each chunk that reached the end of its known tokens."""
+
+    sampled: dict[str, TokenLogprob]
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int, seed: int
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        decode = [c for c in step.chunks if c.num_new_tokens == 1]
+        prefill = [c for c in step.chunks if c.num_new_tokens > 1]
+        ordered = decode + prefill
+        meta = build_metadata([_row(c) for c in decode], [_row(c) for c in prefill], self.block_size)
+        token_ids: list[int] = []
+        logits_indices: list[int] = []
+        sampling_chunks: list[ScheduledChunk] = []
+        for chunk in ordered:
+            req = chunk.request
+            token_ids.extend(req.token_ids[chunk.start_position : chunk.start_position + chunk.num_new_tokens])
+            if chunk.samples:
+                logits_indices.append(len(token_ids) - 1)
+                sampling_chunks.append(chunk)
+        logits = self.model.forward(
+            torch.tensor(token_ids, dtype=torch.long),  # [num_tokens]
+            self.kv_caches,
+            meta,
+            torch.tensor(logits_indices, dtype=torch.long),  # [num_samples]
+        )  # [num_samples, vocab]
+        if not sampling_chunks:
+            return StepResult({})
+        return StepResult(self._sample(logits, [c.request for c in sampling_chunks]))
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, TokenLogprob]:
+        rows = [
+            SamplingRow(
+                params=r.params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                banned_token_ids=_banned(r),
+            )
+            for r in requests
+        ]
+        batch = SamplingBatch.build(rows, self.vocab_size)
+        out = sample(logits[:, : self.vocab_size], batch, self.generator)
+        result: dict[str, TokenLogprob] = {}
+        for i, req in enumerate(requests):
+            logprob = out.logprobs[i] if out.logprobs is not None else 0.0
+            top = out.top_logprobs[i] if out.top_logprobs is not None else []
+            result[req.request_id] = TokenLogprob(out.token_ids[i], logprob, top)
+        return result
+
+
+def _row(chunk: ScheduledChunk) -> RowSpec:
+    return RowSpec(chunk.request.block_ids, chunk.start_position, chunk.num_new_tokens)
+
+
+def _banned(request: Request) -> tuple[int, ...]:
+    """EOS and stop tokens are banned until min_tokens outputs exist."""
+    if request.num_output_tokens >= request.params.min_tokens:
+        return ()
+    banned = set(request.params.stop_token_ids)
+    if not request.params.ignore_eos:
+        banned |= request.eos_token_ids
+    return tuple(sorted(banned))

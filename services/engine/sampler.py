@@ -1,0 +1,220 @@
+"""The batched sampler: one call picks the next token of every running sequence.
+
+Pipeline, per row (sampler_reference.py implements the same steps one row at a time):
+
+1. Penalties. The repetition penalty divides the logit of every token seen in the prompt or the output
+   by the penalty when positive and multiplies it otherwise; then each output token's logit is lowered
+   by `frequency_penalty * count + presence_penalty`.
+2. Bans. `SamplingRow.banned_token_ids` (EOS and stop tokens while below min_tokens) become -inf.
+3. Greedy rows (temperature < 1e-5) take the argmax of these logits; their filters are ignored.
+4. Other rows: divide by the temperature; keep the top_k largest logits (ties with the k-th kept);
+   keep the smallest set of most likely tokens whose probability reaches top_p, measured after top_k;
+   drop tokens whose probability is below min_p times the largest; softmax.
+5. Exponential race: token = argmax(probs / q) with q ~ Exp(1) i.i.d. per vocab entry, an exact draw
+   from probs.
+
+Seeding: a row with a seed draws its q from a fresh generator on the logits' device seeded with
+`derive_seed(seed, position)`, where position is the index of the output token being sampled
+(`len(output_token_ids)`) and `derive_seed(seed, position) = splitmix64(splitmix64(seed) ^ position) >> 1`.
+So a seeded row's token depends on its logits, params, seed and position only: not on batch
+composition, row index, preemption or process (for one device type and torch version). Rows without
+a seed draw from the engine's generator.
+
+Logprobs are log_softmax of the raw model logits, before penalties, temperature and filtering, like
+vLLM v1's default. They are computed only when some row asks; then `SamplerOutput.logprobs` holds the
+chosen token's logprob for every row, and `top_logprobs` the k most likely (token ID, logprob) pairs,
+most likely first, for rows that asked for k > 0 and [] for the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.engine.sampling_batch import PenaltyTensors, SamplingBatch, SamplingRow, derive_seed
+
+# top_p looks for its cut among this many most likely tokens first; a full sort is the fallback.
+_NUM_TOP_P_CANDIDATES = 256
+
+__all__ = [
+    "PenaltyTensors",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SamplingRow",
+    "compute_probs",
+    "derive_seed",
+    "sample",
+]
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result per row. Logprobs are of the raw logits; None when no row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
+    """Pick one token per row of `logits` [num_seqs, vocab_size]. `generator` serves unseeded rows."""
+    _check_logits(logits, batch)
+    logits = logits.float()  # [num_seqs, vocab_size]
+    penalised = _penalise(logits, batch)  # [num_seqs, vocab_size]
+    token_ids = penalised.argmax(dim=-1)  # [num_seqs]
+    if batch.num_sampled > 0:
+        probs = _filtered_probs(penalised, batch)  # [num_sampled, vocab_size]
+        q = _exponentials(batch, probs.device, generator)  # [num_sampled, vocab_size]
+        token_ids[batch.sampled_row_ids] = (probs / q).argmax(dim=-1)
+    if not batch.has_logprobs:
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
+    logprobs, top_logprobs = _gather_logprobs(logits, token_ids, batch.num_logprobs)
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def compute_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """The distribution each row samples from: one-hot at the argmax for greedy rows. For tests."""
+    _check_logits(logits, batch)
+    penalised = _penalise(logits.float(), batch)  # [num_seqs, vocab_size]
+    probs = torch.zeros_like(penalised)  # [num_seqs, vocab_size]
+    probs.scatter_(1, penalised.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.num_sampled > 0:
+        probs[batch.sampled_row_ids] = _filtered_probs(penalised, batch)
+    return probs
+
+
+def _check_logits(logits: Tensor, batch: SamplingBatch) -> None:
+    if tuple(logits.shape) != (batch.num_seqs, batch.vocab_size):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match the batch "
+            f"({batch.num_seqs} rows, vocab_size {batch.vocab_size})"
+        )
+
+
+def _penalise(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Steps 1 and 2: penalties, then bans. Returns a new tensor when anything changes."""
+    penalties = batch.penalties
+    if penalties is None and batch.banned_row_ids is None:
+        return logits
+    logits = logits.clone()  # [num_seqs, vocab_size]
+    if penalties is not None:
+        row_ids, token_ids = penalties.seen_row_ids, penalties.seen_token_ids
+        seen = logits[row_ids, token_ids]  # [num_seen]
+        repetition = penalties.repetition_penalties[row_ids]  # [num_seen]
+        logits[row_ids, token_ids] = torch.where(seen > 0, seen / repetition, seen * repetition)
+        row_ids, token_ids = penalties.counted_row_ids, penalties.counted_token_ids
+        logits[row_ids, token_ids] -= (
+            penalties.frequency_penalties[row_ids] * penalties.output_counts
+            + penalties.presence_penalties[row_ids]
+        )  # [num_counted]
+    if batch.banned_row_ids is not None and batch.banned_token_ids is not None:
+        logits[batch.banned_row_ids, batch.banned_token_ids] = float("-inf")
+    return logits
+
+
+def _filtered_probs(penalised: Tensor, batch: SamplingBatch) -> Tensor:
+    """Step 4 for the sampled rows: temperature, top_k, top_p, min_p, softmax."""
+    row_ids = batch.sampled_row_ids
+    logits = penalised if batch.num_sampled == batch.num_seqs else penalised[row_ids]
+    logits = logits / batch.temperatures[row_ids].unsqueeze(1)  # [num_sampled, vocab_size]
+    if batch.top_ks is not None:
+        _mask_top_k_(logits, batch.top_ks[row_ids])
+    if batch.top_ps is not None:
+        _mask_top_p_(logits, batch.top_ps[row_ids])
+    if batch.min_ps is not None:
+        _mask_min_p_(logits, batch.min_ps[row_ids])
+    return logits.softmax(dim=-1)  # [num_sampled, vocab_size]
+
+
+def _mask_top_k_(logits: Tensor, top_ks: Tensor) -> None:
+    """In place: keep logits at least the k-th largest of their row; k of 0 or >= vocab keeps all."""
+    is_on = (top_ks > 0) & (top_ks < logits.shape[1])  # [num_rows]
+    ks = torch.where(is_on, top_ks, torch.ones_like(top_ks))  # [num_rows]
+    top_values = logits.topk(int(ks.max()), dim=-1).values  # [num_rows, max_k]
+    kth_values = top_values.gather(1, (ks - 1).unsqueeze(1))  # [num_rows, 1]
+    kth_values = kth_values.masked_fill(~is_on.unsqueeze(1), float("-inf"))  # [num_rows, 1]
+    logits.masked_fill_(logits < kth_values, float("-inf"))
+
+
+def _mask_top_p_(logits: Tensor, top_ps: Tensor) -> None:
+    """In place: keep the most likely tokens until their mass reaches top_p; 1.0 keeps all.
+
+    The cut is looked for among each row's most likely _NUM_TOP_P_CANDIDATES tokens, and by a full
+    sort only for rows whose candidates hold less than top_p: both give the same set, and which one a
+    row takes depends on that row alone.
+    """
+    vocab_size = logits.shape[1]
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+    num_candidates = min(_NUM_TOP_P_CANDIDATES, vocab_size)
+    candidate_probs, candidate_ids = probs.topk(num_candidates, dim=-1)  # [num_rows, num_candidates]
+    keep, candidate_mass = _nucleus(candidate_probs, candidate_ids, top_ps, vocab_size)
+    is_filtered = top_ps < 1.0  # [num_rows]
+    short_row_ids = ((candidate_mass < top_ps) & is_filtered).nonzero().squeeze(1)  # [num_short]
+    if short_row_ids.numel() > 0:
+        short_probs = probs[short_row_ids]  # [num_short, vocab_size]
+        sorted_probs, sorted_ids = short_probs.sort(dim=-1, descending=True)  # [num_short, vocab_size]
+        keep[short_row_ids] = _nucleus(sorted_probs, sorted_ids, top_ps[short_row_ids], vocab_size)[0]
+    keep |= ~is_filtered.unsqueeze(1)
+    logits.masked_fill_(~keep, float("-inf"))
+
+
+def _nucleus(
+    sorted_probs: Tensor, sorted_ids: Tensor, top_ps: Tensor, vocab_size: int
+) -> tuple[Tensor, Tensor]:
+    """The keep mask [num_rows, vocab_size] and the total mass [num_rows] of sorted candidates.
+
+    Candidates come most likely first; one is kept while the mass before it is below top_p (the
+    first's is exactly 0, so it always stays). Tokens that are not candidates are dropped.
+    """
+    mass = sorted_probs.cumsum(dim=-1)  # [num_rows, num_sorted]
+    sorted_keep = (mass - sorted_probs) < top_ps.unsqueeze(1)  # [num_rows, num_sorted]
+    keep = torch.zeros(
+        (sorted_probs.shape[0], vocab_size), dtype=torch.bool, device=sorted_probs.device
+    )  # [num_rows, vocab_size]
+    return keep.scatter_(1, sorted_ids, sorted_keep), mass[:, -1]
+
+
+def _mask_min_p_(logits: Tensor, min_ps: Tensor) -> None:
+    """In place: drop tokens whose probability is below min_p times their row's largest."""
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+    thresholds = probs.amax(dim=-1, keepdim=True) * min_ps.unsqueeze(1)  # [num_rows, 1]
+    logits.masked_fill_(probs < thresholds, float("-inf"))
+
+
+def _exponentials(batch: SamplingBatch, device: torch.device, generator: torch.Generator) -> Tensor:
+    """Exp(1) noise per sampled row: from its (seed, position) generator, else from `generator`."""
+    shape = (batch.num_sampled, batch.vocab_size)
+    seeds = batch.sampled_seeds
+    unseeded = [i for i, seed in enumerate(seeds) if seed is None]
+    if len(unseeded) == len(seeds):
+        q = torch.empty(shape, device=device).exponential_(generator=generator)  # [num_sampled, vocab_size]
+    else:
+        q = torch.empty(shape, device=device)  # [num_sampled, vocab_size]
+        if unseeded:
+            unseeded_shape = (len(unseeded), batch.vocab_size)
+            q[unseeded] = torch.empty(unseeded_shape, device=device).exponential_(generator=generator)
+        for i, seed in enumerate(seeds):
+            if seed is not None:
+                row_generator = torch.Generator(device=device).manual_seed(seed)
+                q[i] = torch.empty(batch.vocab_size, device=device).exponential_(generator=row_generator)
+    # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax picks.
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _gather_logprobs(
+    logits: Tensor, token_ids: Tensor, num_logprobs: list[int | None]
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Chosen-token logprobs for every row and the top k for rows that asked, from the raw logits."""
+    logprobs = logits.log_softmax(dim=-1)  # [num_seqs, vocab_size]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in num_logprobs]
+    max_k = max((k or 0) for k in num_logprobs)
+    if max_k > 0:
+        top_values, top_ids = logprobs.topk(max_k, dim=-1)  # [num_seqs, max_k]
+        values, ids = top_values.tolist(), top_ids.tolist()
+        for i, k in enumerate(num_logprobs):
+            if k:
+                top_logprobs[i] = list(zip(ids[i][:k], values[i][:k], strict=True))
+    return chosen.tolist(), top_logprobs

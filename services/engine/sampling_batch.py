@@ -1,0 +1,154 @@
+"""Per-step sampler inputs: the rows of a step gathered into tensors, and the seed derivation.
+
+`derive_seed(seed, position) = splitmix64(splitmix64(seed) ^ position) >> 1` (63 bits) is fixed
+forever: it is what makes a seeded request reproducible across batches, preemptions and processes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.common.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """The splitmix64 mixer (Steele et al., 2014) on a 64-bit unsigned value."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def derive_seed(seed: int, position: int) -> int:
+    """The 63-bit generator seed for output `position` of a request seeded with `seed`. Fixed forever."""
+    return _splitmix64(_splitmix64(seed) ^ position) >> 1
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's input to a step. The token being sampled is output position len(output_token_ids)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    banned_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class PenaltyTensors:
+    """Penalty inputs of a step, as (row, token) index pairs into the logits."""
+
+    repetition_penalties: Tensor  # [num_seqs]
+    frequency_penalties: Tensor  # [num_seqs]
+    presence_penalties: Tensor  # [num_seqs]
+    seen_row_ids: Tensor  # [num_seen] distinct prompt-or-output tokens of rows with a repetition penalty
+    seen_token_ids: Tensor  # [num_seen]
+    counted_row_ids: Tensor  # [num_counted] distinct output tokens of rows with a frequency/presence penalty
+    counted_token_ids: Tensor  # [num_counted]
+    output_counts: Tensor  # [num_counted] float32, how often each counted token was output
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampler inputs, built once per step by `build`. Unused features are None."""
+
+    num_seqs: int
+    vocab_size: int
+    sampled_row_ids: Tensor  # [num_sampled] int64, the rows that are not greedy
+    sampled_seeds: list[int | None]  # per sampled row: derive_seed(seed, position), None if unseeded
+    temperatures: Tensor  # [num_seqs] float32; unused for greedy rows
+    top_ks: Tensor | None  # [num_seqs] int64, 0 = off; None when no sampled row uses top_k
+    top_ps: Tensor | None  # [num_seqs] float32; None when no sampled row uses top_p
+    min_ps: Tensor | None  # [num_seqs] float32; None when no sampled row uses min_p
+    penalties: PenaltyTensors | None
+    banned_row_ids: Tensor | None  # [num_banned] int64
+    banned_token_ids: Tensor | None  # [num_banned] int64
+    num_logprobs: list[int | None]  # per row, SamplingParams.logprobs
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampled_seeds)
+
+    @property
+    def has_logprobs(self) -> bool:
+        return any(k is not None for k in self.num_logprobs)
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> SamplingBatch:
+        """Gather the step's per-row inputs into tensors on `device`, skipping features no row uses."""
+        params = [row.params for row in rows]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        used = [params[i] for i in sampled]
+        banned_row_ids = [i for i, row in enumerate(rows) for _ in row.banned_token_ids]
+        banned_token_ids = [token_id for row in rows for token_id in row.banned_token_ids]
+        uses_top_k = any(0 < p.top_k < vocab_size for p in used)
+        return cls(
+            num_seqs=len(rows),
+            vocab_size=vocab_size,
+            sampled_row_ids=_int64s(sampled, device),
+            sampled_seeds=[_row_seed(rows[i]) for i in sampled],
+            temperatures=_float32s([p.temperature for p in params], device),
+            top_ks=_int64s([p.top_k for p in params], device) if uses_top_k else None,
+            top_ps=_float32s([p.top_p for p in params], device) if any(p.top_p < 1 for p in used) else None,
+            min_ps=_float32s([p.min_p for p in params], device) if any(p.min_p > 0 for p in used) else None,
+            penalties=_build_penalties(rows, device),
+            banned_row_ids=_int64s(banned_row_ids, device) if banned_row_ids else None,
+            banned_token_ids=_int64s(banned_token_ids, device) if banned_token_ids else None,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def _int64s(values: list[int], device: torch.device | str) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)  # [len(values)]
+
+
+def _float32s(values: list[float], device: torch.device | str) -> Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)  # [len(values)]
+
+
+def _row_seed(row: SamplingRow) -> int | None:
+    seed = row.params.seed
+    return None if seed is None else derive_seed(seed, len(row.output_token_ids))
+
+
+def _build_penalties(rows: Sequence[SamplingRow], device: torch.device | str) -> PenaltyTensors | None:
+    """Index pairs for the penalties, or None when no row has one."""
+    params = [row.params for row in rows]
+    repeats = [p.repetition_penalty != 1.0 for p in params]
+    counts = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    if not any(repeats) and not any(counts):
+        return None
+    seen_row_ids: list[int] = []
+    seen_token_ids: list[int] = []
+    counted_row_ids: list[int] = []
+    counted_token_ids: list[int] = []
+    output_counts: list[float] = []
+    for i, row in enumerate(rows):
+        if repeats[i]:
+            seen = set(row.prompt_token_ids).union(row.output_token_ids)
+            seen_row_ids.extend([i] * len(seen))
+            seen_token_ids.extend(seen)
+        if counts[i]:
+            counter = Counter(row.output_token_ids)
+            counted_row_ids.extend([i] * len(counter))
+            counted_token_ids.extend(counter.keys())
+            output_counts.extend(float(count) for count in counter.values())
+    return PenaltyTensors(
+        repetition_penalties=_float32s([p.repetition_penalty for p in params], device),
+        frequency_penalties=_float32s([p.frequency_penalty for p in params], device),
+        presence_penalties=_float32s([p.presence_penalty for p in params], device),
+        seen_row_ids=_int64s(seen_row_ids, device),
+        seen_token_ids=_int64s(seen_token_ids, device),
+        counted_row_ids=_int64s(counted_row_ids, device),
+        counted_token_ids=_int64s(counted_token_ids, device),
+        output_counts=_float32s(output_counts, device),
+    )

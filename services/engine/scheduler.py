@@ -1,0 +1,181 @@
+"""The scheduler counts tokens per request, not phases.
+
+Each step hands every request some number of tokens so its computed tokens catch up with its known
+tokens. A fresh prompt, a chunk of a long prompt, a decode token, a prefix hit and a recompute after
+preemption all fall out of that one rule, under one token budget and a cap on sequences per step.
+Running requests go first, in priority order; when a running request cannot grow, the newest
+lowest-priority request not yet scheduled this step is preempted (its blocks are freed and it will be
+recomputed, mostly from the prefix cache). Waiting requests are admitted while the budget, the
+sequence cap and the KV pool allow, and only in steps that preempted nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.engine.kv_manager import KVCacheManager
+from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+    start_position: int  # == request.num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
+        return self.start_position + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    request: Request
+    token: TokenLogprob
+    finish_reason: FinishReason | None
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class Scheduler:
+    kv: KVCacheManager
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    waiting: list[Request] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)
+    num_preemptions: int = 0
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, request.sort_key), request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for request in list(self.running):
+            if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
+                break
+            if request.request_id in out.preempted_ids:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow_or_preempt(request, num_new, scheduled, out):
+                continue
+            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            scheduled.add(request.request_id)
+            budget -= num_new
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _grow_or_preempt(
+        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        while not self.kv.grow(request, num_new):
+            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+            victim = max(victims, key=lambda r: r.sort_key) if victims else request
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        for request in list(self.waiting):
+            if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
+                return
+            if self._leader_still_prefilling(request):
+                continue
+            cached = self.kv.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if not self.kv.admit(request, cached, num_new):
+                return  # admission is bounded by KV memory; keep FCFS order
+            if not request._admitted_once:
+                request.num_cached_tokens = num_cached_tokens
+                request._admitted_once = True
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+
+    def _leader_still_prefilling(self, request: Request) -> bool:
+        if request.group_leader_id is None:
+            return False
+        leader = self.requests.get(request.group_leader_id)
+        if leader is None or leader.is_finished:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens - 1
+
+    def update(self, step: SchedulerOutput, sampled: Mapping[str, TokenLogprob]) -> list[StepUpdate]:
+        """Advance each scheduled request past its chunk, append sampled tokens and finish the done."""
+        updates = []
+        for chunk in step.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.commit(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token.token_id)
+            if request.params.logprobs is not None:
+                request.logprobs.append(token)
+            reason = request.check_stop()
+            if reason is not None:
+                self.finish(request, reason)
+            updates.append(StepUpdate(request, token, reason))
+        return updates
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Take a request out of the scheduler and free its blocks (prefix blocks stay cached)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv.commit(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv.release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    def held_block_refs(self) -> dict[int, int]:
+        """How many references the live requests hold on each block: for invariant checks."""
+        refs: dict[int, int] = {}
+        for request in self.running:
+            for block_id in request.block_ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        return refs
