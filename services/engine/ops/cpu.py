@@ -1,0 +1,131 @@
+"""Typed wrappers over the C kernels in kernels.c. Tensors are fp32 on the CPU, last dim contiguous.
+
+The kernels write into the `out` tensors they are given, so a caller can keep buffers across steps.
+Each method's torch twin is in reference.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_C = ctypes.c_int
+_F = ctypes.c_float
+
+_SIGNATURES: dict[str, list[type]] = {
+    "kr_rms_norm": [_P, _I, _P, _P, _I, _I, _I, _F],
+    "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _C],
+    "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
+    "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P],
+    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _F, _P, _I, _C],
+}
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
+    """Row stride of a 2-D tensor whose rows are contiguous; raises on any other layout."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != dtype or x.device.type != "cpu":
+        raise ValueError(f"expected a row-contiguous 2-D {dtype} CPU tensor, got {x.dtype} {tuple(x.stride())}")
+    return x.stride(0)
+
+
+def _flat(x: torch.Tensor, dtype: torch.dtype) -> None:
+    if not x.is_contiguous() or x.dtype != dtype or x.device.type != "cpu":
+        raise ValueError(f"expected a contiguous {dtype} CPU tensor, got {x.dtype}")
+
+
+class CpuKernels:
+    """The AVX2 kernels. All shapes in the comments are the caller's; M is the number of tokens."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._lib = library
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(library, name)
+            fn.argtypes = argtypes
+            fn.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+        """out [M, K] = RMSNorm(x [M, K]) * weight [K]."""
+        _flat(weight, torch.float32)
+        ldx, ldo = _rows(x), _rows(out)
+        self._lib.kr_rms_norm(x.data_ptr(), ldx, weight.data_ptr(), out.data_ptr(), ldo, x.shape[0], x.shape[1], eps)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K].T, or out += that. weight is fp32 or bf16; K % 8 == 0."""
+        num_out, k = weight.shape
+        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or k % 8:
+            raise ValueError(f"weight must be contiguous fp32/bf16 with K % 8 == 0, got {weight.dtype} {k}")
+        if x.shape[1] != k or out.shape != (x.shape[0], num_out):
+            raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+        self._lib.kr_linear(
+            x.data_ptr(), _rows(x), weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+            out.data_ptr(), _rows(out), x.shape[0], num_out, k, int(accumulate), torch.get_num_threads(),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out [M, I] = silu(gate_up[:, :I]) * gate_up[:, I:], gate_up [M, 2 * I]."""
+        inter = out.shape[1]
+        if gate_up.shape != (out.shape[0], 2 * inter):
+            raise ValueError(f"gate_up {tuple(gate_up.shape)} does not match out {tuple(out.shape)}")
+        ldg, ldo = _rows(gate_up), _rows(out)
+        self._lib.kr_silu_mul(gate_up.data_ptr(), ldg, out.data_ptr(), ldo, out.shape[0], inter, torch.get_num_threads())
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Rotate q and k inside qkv [M, (num_heads + 2 * kv_heads) * head_dim] in place, then write k and v
+        into cache [num_slots, 2, kv_heads, head_dim] at slot_mapping [M]. cos, sin: [max_positions, hd]."""
+        cos, sin = cos_sin
+        head_dim = cache.shape[-1]
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or cos.shape[1] != head_dim:
+            raise ValueError("qkv, cache and the rotary tables disagree on head sizes")
+        for t in (cos, sin, cache):
+            _flat(t, torch.float32)
+        for t in (positions, slot_mapping):
+            _flat(t, torch.int64)
+        self._lib.kr_rope_write_kv(
+            qkv.data_ptr(), _rows(qkv), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache.data_ptr(), slot_mapping.data_ptr(),
+        )  # fmt: skip
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        token_rows: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+        max_context_len: int,
+        scratch: torch.Tensor,
+    ) -> None:
+        """Causal attention of each token over keys 0..position of its own sequence, read from the cache.
+
+        q, out: [M, num_heads * head_dim]; cache [num_slots, 2, kv_heads, head_dim]; block_tables
+        [num_rows, max_blocks]; token_rows, positions: [M]; scratch [num_threads, > max position].
+        """
+        _, _, num_kv_heads, head_dim = cache.shape
+        num_heads = q.shape[1] // head_dim
+        num_threads = torch.get_num_threads()
+        if scratch.shape[0] < num_threads or scratch.shape[1] < max_context_len:
+            raise ValueError(f"scratch {tuple(scratch.shape)} is too small for {num_threads} threads")
+        if out.shape != q.shape or head_dim % 8:
+            raise ValueError("attention buffers do not match the query or the thread count")
+        _flat(cache, torch.float32)
+        for t in (block_tables, token_rows, positions):
+            _flat(t, torch.int64)
+        self._lib.kr_paged_attention(
+            q.data_ptr(), _rows(q), out.data_ptr(), _rows(out), q.shape[0], num_heads, num_kv_heads,
+            head_dim, cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(),
+            positions.data_ptr(), block_size, head_dim**-0.5, scratch.data_ptr(), _rows(scratch), num_threads,
+        )  # fmt: skip
