@@ -10,7 +10,7 @@ PORT ?= 8000
 MODE ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint unit bench fixtures clean
+.PHONY: setup serve test lint unit bench fixtures protos clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -45,6 +45,9 @@ bench: setup
 # Regenerates the transformers reference token IDs that the identity tests compare against.
 fixtures: setup
 	$(PY) scripts/make_reference_fixtures.py --model $(MODEL_DIR) --out tests/fixtures/smollm2_greedy_fp32.json
+
+protos: $(STAMP)
+	bash scripts/gen_protos.sh
 
 clean:
 	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache

@@ -12,7 +12,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import bench, config, generate, models
+    from services.cli import bench, config, generate, models, router, worker
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.register(sub)
     generate.register(sub)
     bench.register(sub)
+    worker.register(sub)
+    router.register(sub)
     return parser
 
 

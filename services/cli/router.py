@@ -1,0 +1,29 @@
+"""`kvrelay router`: the router over a static list of workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.common.config import load_config
+from services.common.logs import configure_logging
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the router (gRPC)")
+    p.add_argument("--config", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--workers", required=True, help="comma-separated HOST:PORT list")
+    p.add_argument("--grace-seconds", type=float, default=30.0)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.router.server import RouterOptions, serve
+
+    configure_logging("router")
+    load_config(args.config)  # validated before serving, even though the router reads little of it yet
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    asyncio.run(serve(RouterOptions(args.host, args.port, workers, args.grace_seconds)))
+    return 0

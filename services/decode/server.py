@@ -1,0 +1,110 @@
+"""`kvrelay worker`: a gRPC worker process over one engine (colocated: prefill and decode together).
+
+Health (grpc.health.v1, no token needed): the service "" is SERVING once the model is loaded and warmed
+up; "kvrelay.liveness" turns NOT_SERVING when the engine loop stops stepping while work waits.
+On SIGTERM the worker reports NOT_SERVING, takes no new calls, lets in-flight calls finish within the
+grace period, and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.common.config import KvrelayConfig
+from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
+from services.common.sampling import SamplingParams
+from services.decode.worker_service import WorkerService
+from services.engine.async_engine import AsyncEngine
+from services.engine.core import EngineCore
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+LIVENESS_SERVICE = "kvrelay.liveness"
+STALL_SECONDS = 30.0  # no step for this long while work waits: the engine loop is stuck
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    host: str
+    port: int
+    role: str
+    name: str
+    grace_seconds: float = 30.0
+
+
+def build_info(core: EngineCore, config: KvrelayConfig, role: str) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        model_name=config.model.served_name or Path(config.model.path).name,
+        max_context=core.max_model_len,
+        block_size=core.block_size,
+        model_fingerprint=core.manifest.model_fingerprint,
+        tokenizer_fingerprint=core.manifest.tokenizer_fingerprint,
+        vocab_size=core.model_config.vocab_size,
+        role=role,
+        dtype=str(core.runner.model.dtype).removeprefix("torch."),
+    )
+
+
+async def warm_up(engine: AsyncEngine) -> None:
+    """One short generation, so the first real request does not pay for lazy initialisation."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    async for _ in engine.generate("warmup", list(range(1, 17)), params):
+        pass
+
+
+async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
+    tokens = TokenSource.from_env()
+    core = EngineCore.from_config(config)
+    engine = AsyncEngine(core)
+    engine.start()
+    service = WorkerService(engine, build_info(core, config, options.role))
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{options.host}:{options.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await warm_up(engine)
+    service.ready = True
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker ready", extra={"address": address, "role": options.role, "worker": options.name})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_watch(engine, health_servicer, stop))
+    await stop.wait()
+    log.info("worker draining", extra={"grace_seconds": options.grace_seconds})
+    service.ready = False
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(options.grace_seconds)
+    watchdog.cancel()
+    engine.shutdown()
+
+
+async def _watch(engine: AsyncEngine, health_servicer: health.aio.HealthServicer, stop: asyncio.Event) -> None:
+    serving = True
+    while not stop.is_set():
+        await asyncio.sleep(1.0)
+        stats = engine.stats()
+        has_work = stats.num_running + stats.num_waiting > 0
+        stalled = has_work and time.monotonic() - engine.last_step_time > STALL_SECONDS
+        alive = engine.is_alive and not stalled
+        if alive != serving:
+            serving = alive
+            status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+            await health_servicer.set(LIVENESS_SERVICE, status)
+            await health_servicer.set("", status)
+            log.error("engine loop stalled") if not alive else log.info("engine loop recovered")

@@ -1,0 +1,129 @@
+"""Real worker and router processes over gRPC on loopback, on tiny random-weight models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.proto_convert import sampling_to_proto
+from services.common.sampling import SamplingParams
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.engine_helpers import generate, make_engine
+from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.tiny_model import make_tiny_llama
+
+TOKEN = "test-internal-token"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+
+
+class Stack:
+    def __init__(self, tmp: Path, model_dirs: list[Path]) -> None:
+        env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="8")
+        self.worker_addrs = [f"127.0.0.1:{free_port()}" for _ in model_dirs]
+        self.router_addr = f"127.0.0.1:{free_port()}"
+        self.workers = [
+            Proc(
+                ["worker", "--model", str(d), "--port", addr.split(":")[1], "--threads", "1", "--name", f"w{i}"],
+                env,
+                tmp / f"worker{i}.log",
+            )
+            for i, (d, addr) in enumerate(zip(model_dirs, self.worker_addrs, strict=True))
+        ]
+        workers_arg = ",".join(self.worker_addrs)
+        self.router = Proc(["router", "--port", self.router_addr.split(":")[1], "--workers", workers_arg], env, tmp / "router.log")
+        for proc, addr in zip(self.workers, self.worker_addrs, strict=True):
+            wait_serving(addr, proc)
+        wait_serving(self.router_addr, self.router)
+        self.channel = grpc.insecure_channel(self.router_addr)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    def worker_stub(self, i: int) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(self.worker_addrs[i]))
+
+    def stop(self) -> None:
+        self.channel.close()
+        for proc in [self.router, *self.workers]:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("models")
+    return [make_tiny_llama(root / "a", seed=0), make_tiny_llama(root / "b", seed=1)]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dirs: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("stack"), [tiny_dirs[0], tiny_dirs[1]])  # b serves another model
+    yield s
+    s.stop()
+
+
+def request(rid: str, prompt: list[int], **sampling: object) -> pb.GenerateRequest:
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, **sampling})  # type: ignore[arg-type]
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
+
+
+def wait_idle(stub: worker_pb2_grpc.WorkerStub) -> pb.LoadResponse:
+    for _ in range(100):
+        load = stub.Load(pb.LoadRequest(), metadata=MD)
+        if load.running == 0 and load.waiting == 0 and load.kv_blocks.active == 0:
+            return load
+        time.sleep(0.05)
+    return load
+
+
+def test_internal_calls_need_the_token_and_health_does_not(stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Info(pb.InfoRequest())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Info(pb.InfoRequest(), metadata=(("authorization", "Bearer wrong"),))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_router_streams_the_engines_greedy_tokens(stack: Stack, tiny_dirs: list[Path]) -> None:
+    prompt = [3, 9, 27, 81 % 128, 5]
+    got = [t for r in stack.stub.Generate(request("g1", prompt, max_tokens=10), metadata=MD) for t in r.token_ids]
+    want = generate(make_engine(tiny_dirs[0]), {"x": prompt}, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert got == want["x"]
+
+
+def test_router_never_uses_a_worker_with_another_model_fingerprint(stack: Stack) -> None:
+    replicas = worker_pb2_grpc.RouterStub(stack.channel).Replicas(pb.ReplicasRequest(), metadata=MD).replicas
+    assert [r.ready for r in replicas] == [True, False]
+    for i in range(6):
+        list(stack.stub.Generate(request(f"fp{i}", [4, 5, 6]), metadata=MD))
+    assert stack.worker_stub(1).Load(pb.LoadRequest(), metadata=MD).requests_total == 0
+    assert "replica serves another model" in stack.router.log()
+    assert stack.worker_addrs[1] in stack.router.log()
+
+
+def test_cancelled_stream_frees_every_block_on_the_worker(stack: Stack) -> None:
+    call = stack.stub.Generate(request("c1", list(range(2, 120)), max_tokens=300), metadata=MD)
+    next(call)
+    call.cancel()
+    load = wait_idle(stack.worker_stub(0))
+    assert load.kv_blocks.active == 0 and load.running == 0
+
+
+def test_deadline_expiry_aborts_and_frees_blocks(stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(request("d1", list(range(2, 120)), max_tokens=380), metadata=MD, timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_idle(stack.worker_stub(0)).kv_blocks.active == 0
+
+
+def test_invalid_tokens_are_invalid_argument(stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(request("bad", [5, 999]), metadata=MD))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "999" in (err.value.details() or "")
