@@ -30,7 +30,12 @@ class Proc:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.popen = subprocess.Popen(
-            KVRELAY + args, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            KVRELAY + args,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def log(self) -> str:

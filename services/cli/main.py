@@ -12,7 +12,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import bench, config, generate, models, router, worker
+    from services.cli import bench, codec, config, generate, models, router, worker
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     worker.register(sub)
     router.register(sub)
+    codec.register(sub)
     return parser
 
 

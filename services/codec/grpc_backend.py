@@ -22,7 +22,11 @@ from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 
 INFO_TIMEOUT_S = 3.0
-UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED)
+UNAVAILABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAUTHENTICATED,
+)
 
 
 class GrpcBackend:
@@ -35,7 +39,9 @@ class GrpcBackend:
 
     async def info(self) -> BackendInfo:
         try:
-            info = await self.worker.Info(pb.InfoRequest(), metadata=self.tokens.metadata(), timeout=INFO_TIMEOUT_S)
+            info = await self.worker.Info(
+                pb.InfoRequest(), metadata=self.tokens.metadata(), timeout=INFO_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             raise BackendUnavailableError(f"router at {self.router_address}: {exc.code().name}") from exc
         return BackendInfo(

@@ -94,7 +94,9 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     engine.shutdown()
 
 
-async def _watch(engine: AsyncEngine, health_servicer: health.aio.HealthServicer, stop: asyncio.Event) -> None:
+async def _watch(
+    engine: AsyncEngine, health_servicer: health.aio.HealthServicer, stop: asyncio.Event
+) -> None:
     serving = True
     while not stop.is_set():
         await asyncio.sleep(1.0)
@@ -104,7 +106,11 @@ async def _watch(engine: AsyncEngine, health_servicer: health.aio.HealthServicer
         alive = engine.is_alive and not stalled
         if alive != serving:
             serving = alive
-            status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if alive
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             await health_servicer.set(LIVENESS_SERVICE, status)
             await health_servicer.set("", status)
             log.error("engine loop stalled") if not alive else log.info("engine loop recovered")

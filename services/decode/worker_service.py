@@ -78,7 +78,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return pb.LoadResponse(
             running=stats.num_running,
             waiting=stats.num_waiting,
-            kv_blocks=pb.KVBlocks(total=kv.num_total, active=kv.num_active, cached=kv.num_cached, free=kv.num_free),
+            kv_blocks=pb.KVBlocks(
+                total=kv.num_total, active=kv.num_active, cached=kv.num_cached, free=kv.num_free
+            ),
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             requests_total=self.requests_total,

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingParams
@@ -73,7 +73,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         extra_key: bytes = b"",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one output per new token until all n sequences finish. Bad input raises before queueing."""
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error

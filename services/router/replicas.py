@@ -63,18 +63,22 @@ class ReplicaSet:
 
     async def _probe(self, replica: Replica) -> None:
         try:
-            check = await replica.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+            check = await replica.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S
+            )
             serving = check.status == health_pb2.HealthCheckResponse.SERVING
             md = self.tokens.metadata()
             if replica.info is None and serving:
                 replica.info = await replica.stub.Info(pb.InfoRequest(), metadata=md, timeout=PROBE_TIMEOUT_S)
                 self._check_fingerprint(replica)
             replica.load = await replica.stub.Load(pb.LoadRequest(), metadata=md, timeout=PROBE_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
             serving = False
             if replica.healthy:
-                log.warning("replica unhealthy", extra={"replica": replica.name, "address": replica.address,
-                                                        "error": type(exc).__name__})
+                log.warning(
+                    "replica unhealthy",
+                    extra={"replica": replica.name, "address": replica.address, "error": type(exc).__name__},
+                )
         if serving and not replica.healthy:
             log.info("replica healthy", extra={"replica": replica.name, "address": replica.address})
         replica.healthy = serving
@@ -89,8 +93,12 @@ class ReplicaSet:
         if not replica.fingerprint_ok:
             log.error(
                 "replica serves another model; never used",
-                extra={"replica": replica.name, "address": replica.address, "model_fingerprint": fingerprint,
-                       "expected_fingerprint": self.model_fingerprint},
+                extra={
+                    "replica": replica.name,
+                    "address": replica.address,
+                    "model_fingerprint": fingerprint,
+                    "expected_fingerprint": self.model_fingerprint,
+                },
             )
 
     async def close(self) -> None:

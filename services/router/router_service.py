@@ -29,9 +29,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
 
     def choose(self, exclude: set[str]) -> Replica | None:
         usable = {r.name: r for r in self.replicas.usable() if r.name not in exclude}
-        pick = self.policy.choose(
-            [Candidate(r.name, r.in_flight, r.load.waiting) for r in usable.values()]
-        )
+        pick = self.policy.choose([Candidate(r.name, r.in_flight, r.load.waiting) for r in usable.values()])
         return usable[pick.name] if pick else None
 
     async def Generate(
@@ -56,12 +54,18 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                 async for response in call:
                     sent_any = True
                     yield response
-                log.info("routed", extra={"request_id": request_id, "replica": replica.name, "reason": "least_loaded"})
+                log.info(
+                    "routed",
+                    extra={"request_id": request_id, "replica": replica.name, "reason": "least_loaded"},
+                )
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRYABLE and not sent_any:
                     replica.healthy = False
-                    log.warning("retrying on another replica", extra={"request_id": request_id, "replica": replica.name})
+                    log.warning(
+                        "retrying on another replica",
+                        extra={"request_id": request_id, "replica": replica.name},
+                    )
                     continue
                 failure = (exc.code(), exc.details() or exc.code().name)
             finally:
@@ -102,7 +106,9 @@ class RouterStatusService(worker_pb2_grpc.RouterServicer):
     def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
 
-    async def Replicas(self, request: pb.ReplicasRequest, context: grpc.aio.ServicerContext) -> pb.ReplicasResponse:
+    async def Replicas(
+        self, request: pb.ReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReplicasResponse:
         return pb.ReplicasResponse(
             replicas=[
                 pb.Replica(

@@ -55,13 +55,19 @@ async def serve(options: RouterOptions) -> None:
     await replicas.close()
 
 
-async def _refresh(replicas: ReplicaSet, health_servicer: health.aio.HealthServicer, stop: asyncio.Event) -> None:
+async def _refresh(
+    replicas: ReplicaSet, health_servicer: health.aio.HealthServicer, stop: asyncio.Event
+) -> None:
     serving: bool | None = None
     while not stop.is_set():
         await replicas.refresh()
         usable = bool(replicas.usable())
         if usable != serving:
             serving = usable
-            status = health_pb2.HealthCheckResponse.SERVING if usable else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if usable
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             await health_servicer.set("", status)
         await asyncio.sleep(REFRESH_SECONDS)

@@ -25,10 +25,8 @@ def test_generate_writes_lines_in_input_order_with_a_clean_error_for_a_bad_line(
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    code = main(
-        ["generate", "--input", str(src), "--output", str(out), "--model", str(model_dir)]
-        + ["--max-tokens", "16", "--dtype", "float32", "--no-progress"]
-    )
+    args = ["--input", str(src), "--output", str(out), "--model", str(model_dir), "--max-tokens", "16"]
+    code = main(["generate", *args, "--dtype", "float32", "--no-progress"])
     assert code == 3  # some lines failed, and every line was still written
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["index"] for r in results] == [0, 1, 2, 3, 4]

@@ -29,14 +29,28 @@ class Stack:
         self.router_addr = f"127.0.0.1:{free_port()}"
         self.workers = [
             Proc(
-                ["worker", "--model", str(d), "--port", addr.split(":")[1], "--threads", "1", "--name", f"w{i}"],
+                [
+                    "worker",
+                    "--model",
+                    str(d),
+                    "--port",
+                    addr.split(":")[1],
+                    "--threads",
+                    "1",
+                    "--name",
+                    f"w{i}",
+                ],
                 env,
                 tmp / f"worker{i}.log",
             )
             for i, (d, addr) in enumerate(zip(model_dirs, self.worker_addrs, strict=True))
         ]
         workers_arg = ",".join(self.worker_addrs)
-        self.router = Proc(["router", "--port", self.router_addr.split(":")[1], "--workers", workers_arg], env, tmp / "router.log")
+        self.router = Proc(
+            ["router", "--port", self.router_addr.split(":")[1], "--workers", workers_arg],
+            env,
+            tmp / "router.log",
+        )
         for proc, addr in zip(self.workers, self.worker_addrs, strict=True):
             wait_serving(addr, proc)
         wait_serving(self.router_addr, self.router)
@@ -92,8 +106,14 @@ def test_internal_calls_need_the_token_and_health_does_not(stack: Stack) -> None
 
 def test_router_streams_the_engines_greedy_tokens(stack: Stack, tiny_dirs: list[Path]) -> None:
     prompt = [3, 9, 27, 81 % 128, 5]
-    got = [t for r in stack.stub.Generate(request("g1", prompt, max_tokens=10), metadata=MD) for t in r.token_ids]
-    want = generate(make_engine(tiny_dirs[0]), {"x": prompt}, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    got = [
+        t for r in stack.stub.Generate(request("g1", prompt, max_tokens=10), metadata=MD) for t in r.token_ids
+    ]
+    want = generate(
+        make_engine(tiny_dirs[0]),
+        {"x": prompt},
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    )
     assert got == want["x"]
 
 
@@ -117,7 +137,9 @@ def test_cancelled_stream_frees_every_block_on_the_worker(stack: Stack) -> None:
 
 def test_deadline_expiry_aborts_and_frees_blocks(stack: Stack) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        list(stack.stub.Generate(request("d1", list(range(2, 120)), max_tokens=380), metadata=MD, timeout=0.3))
+        list(
+            stack.stub.Generate(request("d1", list(range(2, 120)), max_tokens=380), metadata=MD, timeout=0.3)
+        )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_idle(stack.worker_stub(0)).kv_blocks.active == 0
 

@@ -1,0 +1,47 @@
+"""The codec's HTTP app: assembles state, middleware, error handlers and the routers. No logic here."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from services.codec import openai_chat, openai_completions, routes_health, routes_misc
+from services.codec.backend import Backend
+from services.codec.errors import install_error_handlers
+from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from services.codec.routes_health import kvrelay_version
+from services.codec.state import CodecIdentity, CodecState
+from services.codec.tokenizer import Tokenizer
+from services.common.config import KvrelayConfig
+
+
+def create_app(
+    backend: Backend, tokenizer: Tokenizer, config: KvrelayConfig, identity: CodecIdentity
+) -> FastAPI:
+    """One codec app over `backend`. The app owns the backend: it is closed when the app shuts down."""
+    state = CodecState.build(backend, tokenizer, config, identity)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(
+        title="kvrelay codec",
+        version=kvrelay_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.codec = state
+    install_error_handlers(app)
+    for module in (openai_chat, openai_completions, routes_misc, routes_health):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics)  # added last: outermost
+    return app

@@ -1,0 +1,183 @@
+"""Errors at the HTTP edge, in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+The codec adds these leaves to the common tree (services/common/errors.py); each maps to one status:
+
+    KvrelayError
+    ├── InvalidRequestError                   400 invalid_request_error
+    │   ├── ContextLengthExceededError        400 code context_length_exceeded
+    │   │   └── PromptTooLongError            400 code context_length_exceeded
+    │   ├── UnknownParameterError             400 code unknown_parameter
+    │   ├── UnsupportedParameterError         400 code unsupported_parameter
+    │   ├── MalformedBodyError                400 (not JSON, not an object, not UTF-8)
+    │   ├── UnsupportedMediaTypeError         415
+    │   ├── BodyTooLargeError                 413
+    │   └── UnknownModelError                 404 code model_not_found, param "model"
+    ├── ClientClosedError                     499, logged only: the client left before the response
+    ├── BackendRejectedError                  400 (the stack refused what the codec let through)
+    ├── BackendUnavailableError               503 server_error + Retry-After
+    └── BackendFailedError                    500 before the stream; an in-band error event after
+    any other exception                       500 server_error, logged with the request ID, never leaked
+
+`describe` is the one mapping from an exception to its wire error; the JSON handlers, the middleware's
+fallback and the in-band stream error all use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.codec.backend import BackendFailedError, BackendRejectedError, BackendUnavailableError
+from services.codec.metrics import STATUS_CLIENT_CLOSED
+from services.common.errors import ContextLengthExceededError, InvalidRequestError, KvrelayError
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class PromptTooLongError(ContextLengthExceededError):
+    """The prompt alone is over `limits.max_input_tokens` or leaves no room in the model's context."""
+
+    def __init__(self, num_prompt_tokens: int, limit: int, what: str, param: str) -> None:
+        InvalidRequestError.__init__(
+            self, f"the prompt has {num_prompt_tokens} tokens, over the {what} of {limit} tokens", param=param
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = limit
+
+
+class UnknownParameterError(InvalidRequestError):
+    """A field this API does not define."""
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """A field the API defines but this server cannot honour (tools, audio, ...)."""
+
+
+class MalformedBodyError(InvalidRequestError):
+    """The body is not UTF-8 JSON holding an object."""
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """The request's Content-Type is not application/json."""
+
+
+class BodyTooLargeError(InvalidRequestError):
+    """The request body passed `limits.max_body_bytes`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is larger than the limit of {limit} bytes")
+
+
+class UnknownModelError(InvalidRequestError):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the model {model!r} does not exist", param="model")
+
+
+class ClientClosedError(KvrelayError):
+    """The client disconnected before the response started; the request was aborted."""
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the request")
+
+
+@dataclass(frozen=True)
+class WireError:
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_INVALID_STATUS: tuple[tuple[type[InvalidRequestError], int, str | None], ...] = (
+    (ContextLengthExceededError, 400, "context_length_exceeded"),
+    (UnknownParameterError, 400, "unknown_parameter"),
+    (UnsupportedParameterError, 400, "unsupported_parameter"),
+    (UnsupportedMediaTypeError, 415, None),
+    (BodyTooLargeError, 413, None),
+    (UnknownModelError, 404, "model_not_found"),
+)
+
+
+def describe(exc: BaseException, request_id: str = "") -> WireError:
+    """The wire error for `exc`. Unexpected exceptions get a generic message; log them separately."""
+    if isinstance(exc, InvalidRequestError):
+        for cls, status, code in _INVALID_STATUS:
+            if isinstance(exc, cls):
+                return WireError(status, str(exc), INVALID_REQUEST, exc.param, code)
+        return WireError(400, str(exc), INVALID_REQUEST, exc.param)
+    if isinstance(exc, ClientClosedError):
+        return WireError(STATUS_CLIENT_CLOSED, str(exc), INVALID_REQUEST)
+    if isinstance(exc, BackendRejectedError):
+        return WireError(400, f"the request was rejected: {exc}", INVALID_REQUEST)
+    if isinstance(exc, BackendUnavailableError):
+        return WireError(
+            503,
+            "no worker can take the request now; retry later",
+            SERVER_ERROR,
+            code="service_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    suffix = f" (request {request_id})" if request_id else ""
+    if isinstance(exc, BackendFailedError):
+        return WireError(500, f"generation failed in the serving stack{suffix}", SERVER_ERROR)
+    return WireError(500, f"internal server error{suffix}", SERVER_ERROR)
+
+
+def is_expected(exc: BaseException) -> bool:
+    """Whether `exc` is a known outcome (no traceback needed in the log)."""
+    expected = (InvalidRequestError, ClientClosedError, BackendRejectedError, BackendUnavailableError)
+    return isinstance(exc, expected)
+
+
+def error_response(error: WireError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers={**error.headers, **(headers or {})})
+
+
+def _request_id(request: Request) -> str:
+    return str(getattr(request.state, "request_id", ""))
+
+
+async def _on_kvrelay_error(request: Request, exc: Exception) -> Response:
+    request_id = _request_id(request)
+    if not is_expected(exc):
+        logger.error("request failed: %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id})
+    return error_response(describe(exc, request_id))
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else "invalid request"
+    return error_response(WireError(400, message, INVALID_REQUEST, param))
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+    detail = exc.detail if isinstance(exc, StarletteHTTPException) else "error"
+    kind = INVALID_REQUEST if status < 500 else SERVER_ERROR
+    message = f"{detail}: {request.method} {request.url.path}"
+    return error_response(WireError(status, message, kind), headers=getattr(exc, "headers", None))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the routes raise becomes OpenAI's shape; FastAPI's 422 shape never reaches a client."""
+    app.add_exception_handler(KvrelayError, _on_kvrelay_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)

@@ -1,0 +1,286 @@
+"""One generation, protocol-neutral: token IDs go to the backend, typed text events come back.
+
+`Generator.start` sends the request and waits for the backend's first delta, so a backend that is
+down or refuses the request raises before any response byte is written. The returned
+`GenerationStream` yields, per sample (`index`):
+
+    TextDelta*  then  SampleFinished        and, once every sample has finished,  Usage
+
+Each sample owns one IncrementalDetokenizer and one StopStringMatcher: text is held back only while
+it could still be the start of a stop string. When a stop string matches, the text is cut before it,
+the sample finishes with reason STOP and the matched string, and once no sample is left running the
+backend stream is closed, which aborts the request behind us. Logprobs ride on the next TextDelta of
+their sample (a final TextDelta with empty text carries any left over). No protocol formatting here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import anyio
+
+from services.codec.backend import Backend, BackendFailedError, GenerateInput, TokenDelta, TokenLogprobOut
+from services.codec.detokenizer import IncrementalDetokenizer
+from services.codec.metrics import CodecMetrics, RequestStats
+from services.codec.stop_strings import StopStringMatcher
+from services.codec.tokenizer import Tokenizer
+from services.common.sampling import SamplingParams
+
+MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI-compatible servers clamp to this
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the context is full
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...]
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    index: int
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleFinished:
+    index: int
+    reason: FinishReason
+    stop: str | None  # the stop string that matched, if one did
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+
+
+GenerationEvent = TextDelta | SampleFinished | Usage
+
+
+def build_sampling(
+    fields: Mapping[str, Any], *, max_tokens: int, logprobs: int | None, vocab_size: int | None
+) -> SamplingParams:
+    """SamplingParams from a protocol's fields; out-of-range values raise InvalidSamplingError (400)."""
+    params = SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+    params.validate(vocab_size)
+    return params
+
+
+class Generator:
+    """Starts generations on one backend and counts them (for /status)."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, metrics: CodecMetrics) -> None:
+        self._backend = backend
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self.num_running = 0
+        self.num_requests_total = 0
+
+    async def start(self, request: GenerationRequest, stats: RequestStats) -> GenerationStream:
+        """Sends `request` and waits for its first delta. Backend errors raise here, before any byte."""
+        backend_input = GenerateInput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling,
+            timeout_s=request.timeout_s,
+        )
+        iterator = aiter(self._backend.generate(backend_input))
+        self.num_requests_total += 1
+        self.num_running += 1
+        stream = GenerationStream(iterator, request, self._tokenizer, self._metrics, stats, self._on_close)
+        try:
+            await stream.prime()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    def _on_close(self) -> None:
+        self.num_running -= 1
+
+
+class GenerationStream:
+    """The events of one started generation. Iterate once; `aclose` is idempotent and aborts."""
+
+    def __init__(
+        self,
+        iterator: AsyncIterator[TokenDelta],
+        request: GenerationRequest,
+        tokenizer: Tokenizer,
+        metrics: CodecMetrics,
+        stats: RequestStats,
+        on_close: Callable[[], None],
+    ) -> None:
+        self._iterator = iterator
+        self._request = request
+        self._metrics = metrics
+        self._stats = stats
+        self._on_close = on_close
+        self._samples = [_Sample(index, request, tokenizer) for index in range(request.sampling.n)]
+        self._first: TokenDelta | None = None
+        self._num_cached_tokens = 0
+        self._is_closed = False
+
+    async def prime(self) -> None:
+        self._first = await self._next_delta()
+        if self._first is None:
+            raise BackendFailedError("the backend ended the stream before the first token")
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[GenerationEvent]:
+        delta = self._first
+        while delta is not None:
+            for event in self._apply(delta):
+                yield event
+            if all(sample.is_finished for sample in self._samples):
+                break
+            delta = await self._next_delta()
+        if not all(sample.is_finished for sample in self._samples):
+            raise BackendFailedError("the backend stream ended before every sample finished")
+        if any(sample.is_stopped_here for sample in self._samples):
+            await self.aclose()  # abort what the engine would still generate past the stop string
+        else:
+            await self._next_delta()  # the backend's own end of stream
+        yield self._usage()
+
+    def _apply(self, delta: TokenDelta) -> list[GenerationEvent]:
+        self._stats.record_delta()
+        self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
+        if not 0 <= delta.index < len(self._samples):
+            raise BackendFailedError(f"the backend sent a delta for unknown sample {delta.index}")
+        if delta.finish_reason not in (None, FinishReason.STOP.value, FinishReason.LENGTH.value):
+            raise BackendFailedError(f"the request ended in the serving stack ({delta.finish_reason})")
+        with self._metrics.time_stage("detokenize"):
+            events = self._samples[delta.index].apply(delta)
+        self._stats.num_completion_tokens = sum(sample.num_tokens for sample in self._samples)
+        self._stats.num_cached_tokens = self._num_cached_tokens
+        return events
+
+    def _usage(self) -> Usage:
+        return Usage(
+            num_prompt_tokens=len(self._request.prompt_token_ids),
+            num_completion_tokens=sum(sample.num_tokens for sample in self._samples),
+            num_cached_tokens=self._num_cached_tokens,
+        )
+
+    async def _next_delta(self) -> TokenDelta | None:
+        if self._is_closed:
+            return None
+        try:
+            return await anext(self._iterator)
+        except StopAsyncIteration:
+            return None
+
+    async def aclose(self) -> None:
+        """Closes the backend stream (aborting the request if it still runs). Safe to call twice."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        with anyio.CancelScope(shield=True):  # closing must finish even when the caller is cancelled
+            try:
+                aclose = getattr(self._iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
+
+
+class _Sample:
+    """Streaming state of one sample: detokenizer, stop-string matcher, logprobs not yet sent."""
+
+    def __init__(self, index: int, request: GenerationRequest, tokenizer: Tokenizer) -> None:
+        self.index = index
+        self.num_tokens = 0
+        self.is_finished = False
+        self.is_stopped_here = False  # finished by a stop string in the codec, not by the engine
+        self._tokenizer = tokenizer
+        self._num_top_logprobs = request.sampling.logprobs
+        self._hidden_stop_ids = frozenset(request.sampling.stop_token_ids) | frozenset(
+            tokenizer.eos_token_ids
+        )
+        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self._matcher = StopStringMatcher(request.stop)
+        self._pending: list[TokenLogprob] = []
+
+    def apply(self, delta: TokenDelta) -> list[GenerationEvent]:
+        if self.is_finished:
+            return []  # stopped by a stop string; the engine may not have noticed yet
+        self.num_tokens += len(delta.token_ids)
+        if self._num_top_logprobs is not None:
+            self._pending.extend(self._logprob(out) for out in delta.logprobs)
+        text = self._detokenizer.push(self._visible_ids(delta))
+        if delta.finish_reason is not None:
+            text += self._detokenizer.flush()
+        result = self._matcher.push(text)
+        if result.stop is not None:
+            self.is_stopped_here = True
+            return self._finish(result.text, FinishReason.STOP, result.stop)
+        if delta.finish_reason is not None:
+            return self._finish(result.text + self._matcher.flush(), FinishReason(delta.finish_reason), None)
+        return self._text(result.text)
+
+    def _visible_ids(self, delta: TokenDelta) -> Sequence[int]:
+        """The delta's tokens minus a final stop token (EOS or a user stop ID): it is not output text."""
+        ids = delta.token_ids
+        if delta.finish_reason == FinishReason.STOP.value and ids and ids[-1] in self._hidden_stop_ids:
+            return ids[:-1]
+        return ids
+
+    def _text(self, text: str) -> list[GenerationEvent]:
+        if not text:
+            return []
+        event = TextDelta(self.index, text, tuple(self._pending))
+        self._pending.clear()
+        return [event]
+
+    def _finish(self, text: str, reason: FinishReason, stop: str | None) -> list[GenerationEvent]:
+        self.is_finished = True
+        events: list[GenerationEvent] = []
+        if text or self._pending:
+            events.append(TextDelta(self.index, text, tuple(self._pending)))
+            self._pending.clear()
+        events.append(SampleFinished(self.index, reason, stop, self.num_tokens))
+        return events
+
+    def _logprob(self, out: TokenLogprobOut) -> TokenLogprob:
+        top = out.top[: self._num_top_logprobs or 0]
+        return TokenLogprob(
+            token_id=out.token_id,
+            token=self._token_text(out.token_id),
+            logprob=max(out.logprob, MIN_LOGPROB),
+            top=tuple(TopLogprob(tid, self._token_text(tid), max(lp, MIN_LOGPROB)) for tid, lp in top),
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,141 @@
+"""Prometheus metrics for one codec app, in the app's own registry (no global registry), and the
+per-request timings that feed them and the access log.
+
+`RequestStats` is filled while a request runs (the handler sets the protocol and token counts, the
+generation stream records token arrival); the middleware hands it to `CodecMetrics.observe_request`
+once the response is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client went away first"
+
+
+class StreamOutcome(Enum):
+    """How a streamed response ended after its 200 was sent."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CLIENT_CLOSED = "client_closed"
+
+
+@dataclass
+class RequestStats:
+    """Timings and token counts of one HTTP request. Holds no prompt or completion text."""
+
+    request_id: str
+    started_s: float = field(default_factory=time.perf_counter)
+    protocol: str | None = None  # set by generation routes; other routes are not counted
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    stream_outcome: StreamOutcome | None = None
+
+    def record_delta(self) -> None:
+        """A token delta arrived from the backend now."""
+        now = time.perf_counter()
+        if self.last_token_s is not None:
+            self.inter_token_s.append(now - self.last_token_s)
+        if self.first_token_s is None:
+            self.first_token_s = now
+        self.last_token_s = now
+
+    def set_stream_outcome(self, outcome: StreamOutcome) -> None:
+        self.stream_outcome = outcome
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.started_s
+
+    def effective_status(self, http_status: int) -> int:
+        """The HTTP status, or what a streamed failure would have been had it happened before the 200."""
+        if self.stream_outcome is StreamOutcome.FAILED:
+            return 500
+        if self.stream_outcome is StreamOutcome.CLIENT_CLOSED:
+            return STATUS_CLIENT_CLOSED
+        return http_status
+
+
+class CodecMetrics:
+    """The codec's instruments. Every app gets its own registry, so tests and apps never share counts."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "kvrelay_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "kvrelay_inter_token_latency_seconds",
+            "Time between consecutive token deltas of one request.",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvrelay_e2e_request_latency_seconds",
+            "Time from request arrival to the end of its response.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "kvrelay_requests_total",
+            "Generation requests by protocol and final status.",
+            ["protocol", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvrelay_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "kvrelay_generation_tokens_total", "Tokens generated for clients.", registry=self.registry
+        )
+        self.stage = Histogram(
+            "kvrelay_codec_stage_seconds",
+            "Codec CPU time per stage (template, tokenize, detokenize).",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+
+    @contextmanager
+    def time_stage(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage.labels(stage=stage).observe(time.perf_counter() - started)
+
+    def observe_request(self, stats: RequestStats, http_status: int) -> None:
+        """Record one finished request; requests without a protocol (health, metrics) are skipped."""
+        if stats.protocol is None:
+            return
+        status = stats.effective_status(http_status)
+        self.requests.labels(protocol=stats.protocol, status=str(status)).inc()
+        self.e2e.observe(time.perf_counter() - stats.started_s)
+        ttft = stats.ttft_s
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for interval in stats.inter_token_s:
+            self.inter_token.observe(interval)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_completion_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

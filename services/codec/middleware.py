@@ -1,0 +1,139 @@
+"""ASGI middleware: request IDs, the body-size limit, the last-resort 500, metrics and the access log.
+
+`RequestContextMiddleware` (outermost) gives every request an ID (a sane client `x-request-id`, else
+`req_<hex>`), puts it and a `RequestStats` in the scope state, adds `x-request-id` to every response,
+turns an exception nothing else handled into a 500 in OpenAI's shape (logged with the ID, never
+leaked), and when the response is done records metrics and writes one JSON access-log line with
+timings and token counts, never text.
+
+`BodyLimitMiddleware` refuses a body over the limit: at once from Content-Length, else while the body
+streams in (the read raises BodyTooLargeError, a 413), so an oversize body is never buffered whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from typing import Any
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.codec.errors import BodyTooLargeError, describe, error_response
+from services.codec.metrics import CodecMetrics, RequestStats
+
+logger = logging.getLogger("kvrelay.codec.middleware")
+access_logger = logging.getLogger("kvrelay.access")
+
+REQUEST_ID_HEADER = "x-request-id"
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes log at debug level
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp, metrics: CodecMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id, backend_request_id = _request_ids(scope)
+        stats = RequestStats(request_id=request_id)
+        scope.setdefault("state", {}).update(
+            request_id=request_id, backend_request_id=backend_request_id, stats=stats
+        )
+        response: dict[str, Any] = {"status": 500, "started": False}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                response.update(status=message["status"], started=True)
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            logger.error("unhandled %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id})
+            if not response["started"]:
+                await error_response(describe(exc, request_id))(scope, receive, send_with_id)
+        finally:
+            status = int(response["status"])
+            self.metrics.observe_request(stats, status)
+            _log_access(scope, stats, status)
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await error_response(describe(BodyTooLargeError(limit)))(scope, receive, send)
+            return
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _request_ids(scope: Scope) -> tuple[str, str]:
+    """(the ID clients and logs see, the ID sent inward). A client's ID may repeat across requests,
+    so the inward one gets a random suffix then; ours is unique already."""
+    given = _header(scope, REQUEST_ID_HEADER)
+    if given is not None and _SANE_REQUEST_ID.fullmatch(given):
+        return given, f"{given}-{secrets.token_hex(4)}"
+    generated = f"req_{secrets.token_hex(12)}"
+    return generated, generated
+
+
+def _header(scope: Scope, name: str) -> str | None:
+    wanted = name.encode("latin-1")
+    for key, value in scope.get("headers", ()):
+        if key.lower() == wanted:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, "content-length")
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value)
+
+
+def _log_access(scope: Scope, stats: RequestStats, status: int) -> None:
+    path = str(scope.get("path", ""))
+    ttft = stats.ttft_s
+    fields = {
+        "request_id": stats.request_id,
+        "method": scope.get("method", ""),
+        "route": path,
+        "status": status,
+        "protocol": stats.protocol,
+        "outcome": stats.stream_outcome.value if stats.stream_outcome else None,
+        "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
+        "e2e_ms": round((time.perf_counter() - stats.started_s) * 1000, 3),
+        "prompt_tokens": stats.num_prompt_tokens,
+        "completion_tokens": stats.num_completion_tokens,
+        "cached_tokens": stats.num_cached_tokens,
+    }
+    level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+    access_logger.log(level, "request", extra=fields)

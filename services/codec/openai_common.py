@@ -1,0 +1,156 @@
+"""What the two OpenAI text protocols share: admission and start, the response envelope, usage,
+collecting a non-streamed result, and streaming with OpenAI's in-band error event.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from services.codec.disconnect import unless_client_leaves
+from services.codec.errors import describe
+from services.codec.generation import (
+    GenerationRequest,
+    GenerationStream,
+    SampleFinished,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+    build_sampling,
+)
+from services.codec.metrics import RequestStats, StreamOutcome
+from services.codec.schemas.openai import SamplingFields
+from services.codec.sse import EventStreamResponse, encode_event
+from services.codec.state import CodecState, backend_request_id, request_id
+
+
+async def admit_and_start(
+    request: Request,
+    state: CodecState,
+    stats: RequestStats,
+    fields: SamplingFields,
+    prompt_token_ids: list[int],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> GenerationStream:
+    """Context checks, sampling validation, then the backend. Every refusal happens before any byte."""
+    num_prompt_tokens = len(prompt_token_ids)
+    resolved = await state.admission.resolve_max_tokens(num_prompt_tokens, max_tokens, prompt_param)
+    info = await state.admission.backend_info()
+    sampling = build_sampling(
+        fields.sampling_kwargs(), max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size
+    )
+    stats.num_prompt_tokens = num_prompt_tokens
+    generation_request = GenerationRequest(
+        request_id=backend_request_id(request),
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        stop=fields.stop_strings(),
+        timeout_s=state.request_timeout_s,
+    )
+    # A client that leaves while the request waits for its first token aborts it there and then.
+    return await unless_client_leaves(
+        request.receive, lambda: state.generator.start(generation_request, stats)
+    )
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The fields every response object and chunk of one request repeats."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+    @classmethod
+    def new(cls, prefix: str, object_name: str, state: CodecState) -> Envelope:
+        identity = state.identity
+        return cls(
+            f"{prefix}-{uuid.uuid4().hex}",
+            object_name,
+            int(time.time()),
+            identity.model_name,
+            identity.system_fingerprint,
+        )
+
+    def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+            "choices": choices,
+            **extra,
+        }
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.num_prompt_tokens,
+        "completion_tokens": usage.num_completion_tokens,
+        "total_tokens": usage.num_prompt_tokens + usage.num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.num_cached_tokens},
+    }
+
+
+@dataclass
+class CollectedSample:
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: SampleFinished | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+async def collect(generation: GenerationStream, num_samples: int) -> tuple[list[CollectedSample], Usage]:
+    """Runs a generation to the end for a non-streamed response."""
+    samples = [CollectedSample() for _ in range(num_samples)]
+    usage = Usage(0, 0, 0)
+    async for event in generation:
+        if isinstance(event, TextDelta):
+            samples[event.index].text_parts.append(event.text)
+            samples[event.index].logprobs.extend(event.logprobs)
+        elif isinstance(event, SampleFinished):
+            samples[event.index].finish = event
+        else:
+            usage = event
+    return samples, usage
+
+
+async def collect_unless_gone(
+    request: Request, generation: GenerationStream, num_samples: int
+) -> tuple[list[CollectedSample], Usage]:
+    """The whole result; if the client leaves first, the generation is aborted (ClientClosedError)."""
+    try:
+        return await unless_client_leaves(request.receive, lambda: collect(generation, num_samples))
+    finally:
+        await generation.aclose()
+
+
+def stream_response(
+    request: Request, stats: RequestStats, generation: GenerationStream, events: AsyncIterator[bytes]
+) -> EventStreamResponse:
+    """An SSE response whose failures become OpenAI's in-band `{"error": {...}}` event."""
+    rid = request_id(request)
+
+    def error_event(exc: BaseException) -> bytes:
+        return encode_event(describe(exc, rid).body())
+
+    def on_outcome(outcome: StreamOutcome) -> None:
+        stats.set_stream_outcome(outcome)
+
+    return EventStreamResponse(
+        events, request_id=rid, error_event=error_event, cleanup=generation.aclose, on_outcome=on_outcome
+    )

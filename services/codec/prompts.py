@@ -1,0 +1,54 @@
+"""Prompts to token IDs: chat messages through the template, raw text, or IDs checked against the vocabulary.
+
+Shared by the protocol routes and /tokenize, so a /tokenize count is exactly what a request would use.
+Template and tokenizer time are recorded per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.codec.chat_template import ChatTemplate
+from services.codec.metrics import CodecMetrics
+from services.codec.tokenizer import Tokenizer
+from services.common.errors import InvalidRequestError
+
+
+def encode_chat(
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    metrics: CodecMetrics,
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The template writes the special tokens, so the text is encoded without adding any."""
+    with metrics.time_stage("template"):
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    with metrics.time_stage("tokenize"):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_text(
+    tokenizer: Tokenizer, text: str, metrics: CodecMetrics, *, add_special_tokens: bool = True
+) -> list[int]:
+    with metrics.time_stage("tokenize"):
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
+    """`token_ids` as a list, or a 400 naming `param` for the first ID outside [0, vocab_size)."""
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"token ID {token_id} at position {position} is outside the vocabulary [0, {vocab_size})",
+                param=param,
+            )
+    return list(token_ids)
+
+
+def require_tokens(token_ids: list[int], param: str) -> list[int]:
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", param=param)
+    return token_ids

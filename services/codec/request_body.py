@@ -1,0 +1,108 @@
+"""Reading a JSON request body and parsing it into a schema, with OpenAI-style 4xx errors.
+
+The body is read by the route (not by FastAPI's dependency machinery) so that each failure gets its
+own error: wrong Content-Type (415), over the size limit (413, raised by the middleware while the body
+streams in), invalid UTF-8, invalid JSON or a non-object body (400), and schema violations (400 naming
+the param, e.g. `messages[0].role`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import typing
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from services.codec.errors import MalformedBodyError, UnknownParameterError, UnsupportedMediaTypeError
+from services.common.errors import InvalidRequestError
+
+SchemaT = TypeVar("SchemaT", bound=BaseModel)
+JSON_TYPES = ("application/json",)
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object. Raises the 4xx errors described in the module docstring."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type not in JSON_TYPES and not media_type.endswith("+json"):
+        shown = media_type or "none"
+        raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {shown}")
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedBodyError(f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise MalformedBodyError(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise MalformedBodyError(f"the body must be a JSON object, got {_json_type(data)}")
+    return data
+
+
+def parse_schema(schema: type[SchemaT], data: dict[str, Any]) -> SchemaT:
+    """Validates `data`; the first problem becomes a 400 naming its param."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise _to_request_error(exc, _field_names(schema)) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _json_type(value: object) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _to_request_error(exc: ValidationError, field_names: set[str]) -> InvalidRequestError:
+    errors = exc.errors(include_url=False)
+    extra = [error for error in errors if error["type"] == "extra_forbidden"]
+    if extra:
+        param = _param(extra[0]["loc"], field_names | {str(extra[0]["loc"][-1])})
+        return UnknownParameterError(f"unrecognized request argument supplied: {param}", param=param)
+    deepest = max(errors, key=lambda item: len(item["loc"]))  # the most specific problem
+    param = _param(deepest["loc"], field_names)
+    # A union (e.g. str | list) fails once per member at the same param: say all of them.
+    messages = dict.fromkeys(e["msg"] for e in errors if _param(e["loc"], field_names) == param)
+    message = " or ".join(messages)
+    return InvalidRequestError(f"{param}: {message}" if param else message, param=param or None)
+
+
+def _param(loc: tuple[int | str, ...], field_names: set[str]) -> str:
+    """`('messages', 0, 'content', 'str')` → `messages[0].content`: union labels are dropped."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part in field_names:
+            text += f".{part}" if text else part
+    return text
+
+
+@functools.cache
+def _field_names(schema: type[BaseModel]) -> set[str]:
+    """Every field name of `schema` and the models nested in it."""
+    names: set[str] = set()
+    pending: list[type[BaseModel]] = [schema]
+    seen: set[type[BaseModel]] = set()
+    while pending:
+        model = pending.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            names.add(name)
+            pending.extend(_nested_models(info.annotation))
+    return names
+
+
+def _nested_models(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in _nested_models(arg)]

@@ -1,0 +1,97 @@
+"""Model listing, vLLM-compatible tokenize/detokenize, and Prometheus metrics.
+
+GET  /v1/models, /v1/models/{model}   the one served model
+POST /tokenize     {model?, prompt, add_special_tokens?} or {model?, messages, add_generation_prompt?}
+                   → {count, max_model_len, tokens}; the IDs a request with that input would use
+POST /detokenize   {model?, tokens} → {prompt}
+GET  /metrics      this app's registry
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.codec.backend import BackendUnavailableError
+from services.codec.prompts import check_token_ids, encode_chat, encode_text
+from services.codec.request_body import parse_schema, read_json_object
+from services.codec.schemas.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
+from services.codec.state import CodecState, codec_state
+
+OWNER = "kvrelay"
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(codec_state(request))]})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> JSONResponse:
+    state = codec_state(request)
+    state.check_model(model)
+    return JSONResponse(_model_card(state))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    state = codec_state(request)
+    data = await read_json_object(request)
+    if "messages" in data:
+        chat = parse_schema(TokenizeChatRequest, data)
+        state.check_model(chat.model)
+        template = state.require_chat_template()
+        messages = chat.template_messages()
+        token_ids = encode_chat(
+            template,
+            state.tokenizer,
+            messages,
+            state.metrics,
+            add_generation_prompt=chat.add_generation_prompt,
+        )
+    else:
+        text = parse_schema(TokenizeTextRequest, data)
+        state.check_model(text.model)
+        token_ids = encode_text(
+            state.tokenizer, text.prompt, state.metrics, add_special_tokens=text.add_special_tokens
+        )
+    max_model_len = await _max_model_len(state)
+    return JSONResponse({"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = codec_state(request)
+    body = parse_schema(DetokenizeRequest, await read_json_object(request))
+    state.check_model(body.model)
+    token_ids = check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
+    with state.metrics.time_stage("detokenize"):
+        text = state.tokenizer.decode(token_ids, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = codec_state(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+def _model_card(state: CodecState) -> dict[str, Any]:
+    return {
+        "id": state.identity.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": OWNER,
+    }
+
+
+async def _max_model_len(state: CodecState) -> int | None:
+    """The model's context, or None while the backend has never answered (tokenizing still works)."""
+    try:
+        return (await state.admission.backend_info()).max_context
+    except BackendUnavailableError:
+        return None

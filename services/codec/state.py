@@ -1,0 +1,119 @@
+"""What one codec app holds: its identity, its backend and the objects built once at startup.
+
+`create_app` builds one `CodecState` and stores it on `app.state.codec`; routes reach it through
+`codec_state(request)`. Per-request values (request ID, `RequestStats`) live in the ASGI scope's
+state, set by the middleware.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from services.codec.admission import Admission
+from services.codec.backend import Backend
+from services.codec.chat_template import ChatTemplate, chat_template_from_tokenizer
+from services.codec.errors import UnknownModelError
+from services.codec.generation import Generator
+from services.codec.metrics import CodecMetrics, RequestStats
+from services.codec.readiness import Readiness
+from services.codec.tokenizer import Tokenizer
+from services.common.config import KvrelayConfig
+from services.common.errors import InvalidRequestError
+
+FINGERPRINT_PREFIX_LEN = 12
+
+
+@dataclass(frozen=True)
+class CodecIdentity:
+    """Who this codec is: the served model name and the fingerprints of what it loaded.
+
+    `tokenizer_fingerprint` must equal the backend's for the codec to report ready.
+    `model_fingerprint` is "" when the codec did not see a manifest for the weights.
+    """
+
+    model_name: str
+    tokenizer_fingerprint: str
+    model_fingerprint: str = ""
+
+    @property
+    def system_fingerprint(self) -> str:
+        """A short fingerprint for responses' `system_fingerprint`."""
+        source = self.model_fingerprint or self.tokenizer_fingerprint
+        return f"fp_{source[:FINGERPRINT_PREFIX_LEN]}"
+
+
+@dataclass
+class CodecState:
+    identity: CodecIdentity
+    config: KvrelayConfig
+    backend: Backend
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    metrics: CodecMetrics
+    admission: Admission
+    generator: Generator
+    readiness: Readiness
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(
+        cls, backend: Backend, tokenizer: Tokenizer, config: KvrelayConfig, identity: CodecIdentity
+    ) -> CodecState:
+        metrics = CodecMetrics()
+        return cls(
+            identity=identity,
+            config=config,
+            backend=backend,
+            tokenizer=tokenizer,
+            chat_template=_chat_template(tokenizer),
+            metrics=metrics,
+            admission=Admission(backend, config.limits),
+            generator=Generator(backend, tokenizer, metrics),
+            readiness=Readiness(backend, identity.tokenizer_fingerprint),
+        )
+
+    def check_model(self, model: str | None) -> None:
+        """404 model_not_found unless `model` is the served name (None is allowed where optional)."""
+        if model is not None and model != self.identity.model_name:
+            raise UnknownModelError(model)
+
+    def require_chat_template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            return chat_template_from_tokenizer(self.tokenizer)  # raises ChatTemplateMissingError
+        return self.chat_template
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self.config.limits.request_timeout_ms / 1000.0
+
+
+def codec_state(request: Request) -> CodecState:
+    state: CodecState = request.app.state.codec
+    return state
+
+
+def request_id(request: Request) -> str:
+    return str(getattr(request.state, "request_id", ""))
+
+
+def backend_request_id(request: Request) -> str:
+    """The ID sent inward: our request ID, made unique when the client chose it."""
+    return str(getattr(request.state, "backend_request_id", "") or request_id(request))
+
+
+def request_stats(request: Request) -> RequestStats:
+    stats = getattr(request.state, "stats", None)
+    if not isinstance(stats, RequestStats):
+        stats = RequestStats(request_id=request_id(request))
+        request.state.stats = stats
+    return stats
+
+
+def _chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
+    try:
+        return chat_template_from_tokenizer(tokenizer)
+    except InvalidRequestError:  # no template: chat requests get a 400, completions still work
+        return None
