@@ -6,13 +6,19 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from services.common.errors import CONFIG_EXIT_CODE, ConfigError, KvrelayError
+from services.common.errors import (
+    CONFIG_EXIT_CODE,
+    CapacityError,
+    ConfigError,
+    KvrelayError,
+    ModelLoadError,
+)
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import bench, codec, config, generate, models, router, worker
+    from services.cli import bench, codec, config, generate, models, router, status, up, worker
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -23,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.register(sub)
     router.register(sub)
     codec.register(sub)
+    up.register(sub)
+    status.register(sub)
     return parser
 
 
@@ -34,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except ConfigError as exc:
         print(f"kvrelay: config error: {exc}", file=sys.stderr)
+        return CONFIG_EXIT_CODE
+    except (CapacityError, ModelLoadError) as exc:
+        # Deterministic: a restart cannot fix them, so supervisors must not retry.
+        print(f"kvrelay: {type(exc).__name__}: {exc}", file=sys.stderr)
         return CONFIG_EXIT_CODE
     except KvrelayError as exc:
         print(f"kvrelay: {type(exc).__name__}: {exc}", file=sys.stderr)

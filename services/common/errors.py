@@ -20,7 +20,8 @@ User input is checked by raising these, never with `assert`.
 
 from __future__ import annotations
 
-# sysexits.h EX_CONFIG: supervisors never restart a process that exits with it.
+# sysexits.h EX_CONFIG: supervisors never restart a process that exits with it. The CLI exits with it for
+# ConfigError, CapacityError and ModelLoadError: deterministic failures a restart cannot fix.
 CONFIG_EXIT_CODE = 78
 
 

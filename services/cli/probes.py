@@ -1,0 +1,55 @@
+"""Health probes the supervisor runs against its children. Each answers a plain bool and never raises:
+a service that cannot be reached is simply not healthy. Both bypass any HTTP proxy in the environment."""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LIVENESS_SERVICE = "kvrelay.liveness"  # the worker's health service that fails when its engine loop stalls
+
+
+class HealthCheck(Protocol):
+    def is_healthy(self) -> bool:
+        """True when the service says it is ready to serve. Never raises: unreachable means False."""
+        ...
+
+
+@dataclass(frozen=True)
+class GrpcHealthCheck:
+    """The standard grpc.health.v1 Check (exempt from the internal token): SERVING means healthy."""
+
+    address: str
+    timeout_s: float = 1.0
+    service: str = ""
+
+    def is_healthy(self) -> bool:
+        options = [("grpc.enable_http_proxy", 0)]
+        with grpc.insecure_channel(self.address, options=options) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service=self.service)
+            try:
+                reply = stub.Check(request, timeout=self.timeout_s)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@dataclass(frozen=True)
+class HttpReadyCheck:
+    """An HTTP GET (no proxy): any 2xx answer means healthy."""
+
+    url: str
+    timeout_s: float = 1.0
+
+    def is_healthy(self) -> bool:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(self.url, timeout=self.timeout_s) as response:
+                return 200 <= int(response.status) < 300
+        except (OSError, ValueError):  # URLError, HTTPError and timeouts are all OSErrors
+            return False

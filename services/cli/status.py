@@ -1,0 +1,108 @@
+"""`kvrelay status`: what each service of a running stack is doing, from the codec's GET /status.
+
+The stack's URL comes from --url, else KVRELAY_URL, else http://127.0.0.1:8000. A stack that does not
+answer is one clear line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.common.errors import KvrelayError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "KVRELAY_URL"
+EXIT_UNREACHABLE = 1
+TIMEOUT_S = 5.0
+
+COLUMNS = (
+    "NAME",
+    "ROLE",
+    "ADDRESS",
+    "READY",
+    "RUNNING",
+    "WAITING",
+    "REQUESTS",
+    "KV ACTIVE/CACHED/FREE/TOTAL",
+    "PREFIX HITS/QUERIES",
+)
+
+
+class StackUnreachableError(KvrelayError):
+    """The stack did not answer GET /status with a JSON status document."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show what each service of a running stack is doing")
+    p.add_argument("--json", action="store_true", help="print the status document as JSON")
+    p.add_argument("--url", default=None, help=f"the stack's URL (default: ${URL_ENV} or {DEFAULT_URL})")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
+    try:
+        document = fetch_status(url)
+    except StackUnreachableError as exc:
+        print(f"kvrelay status: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(json.dumps(document, indent=2) if args.json else format_table(document["services"]))
+    return 0
+
+
+def fetch_status(url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+    """GET {url}/status (no proxy); the parsed document, which has a `services` list."""
+    status_url = url.rstrip("/") + "/status"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(status_url, timeout=timeout_s) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        raise StackUnreachableError(f"{status_url} answered HTTP {exc.code}") from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StackUnreachableError(f"no kvrelay stack answers at {url} ({reason})") from None
+    try:
+        document = json.loads(body)
+    except ValueError:
+        raise StackUnreachableError(f"{status_url} did not answer with JSON") from None
+    if not isinstance(document, dict) or not isinstance(document.get("services"), list):
+        raise StackUnreachableError(f"{status_url} answered JSON without a `services` list")
+    return document
+
+
+def format_table(services: Sequence[Mapping[str, Any]]) -> str:
+    """One aligned row per service; a missing field shows as '-'."""
+    rows = [list(COLUMNS), *(_row(service) for service in services)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def _row(service: Mapping[str, Any]) -> list[str]:
+    kv = service.get("kv_blocks") or {}
+    prefix = service.get("prefix_cache") or {}
+    ready = service.get("ready")
+    return [
+        _cell(service.get("name")),
+        _cell(service.get("role")),
+        _cell(service.get("address")),
+        "-" if ready is None else ("yes" if ready else "no"),
+        _cell(service.get("running")),
+        _cell(service.get("waiting")),
+        _cell(service.get("requests_total")),
+        "/".join(_cell(kv.get(key)) for key in ("active", "cached", "free", "total")),
+        "/".join(_cell(prefix.get(key)) for key in ("hits", "queries")),
+    ]
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,261 @@
+"""`kvrelay up`: the whole stack on one machine (workers, router, codec), supervised until Ctrl-C.
+
+Ports come from one base: codec = base (the public HTTP port), router = base + 1, worker i = base + 2 + i;
+`--port 0` takes a free port for each. Internal services listen on 127.0.0.1 only. A random internal
+token reaches the children through the environment (KVRELAY_INTERNAL_TOKEN): never on argv, never logged.
+Every child gets the same validated config, written to a temporary file for the stack's lifetime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cli.probes import LIVENESS_SERVICE, GrpcHealthCheck, HttpReadyCheck
+from services.cli.supervisor import Role, ServiceSpec, Supervisor, SupervisorOptions
+from services.common.config import KvrelayConfig, dump_config, load_config
+from services.common.errors import KvrelayError, ModelNotFoundError
+from services.common.logs import configure_logging
+
+log = logging.getLogger(__name__)
+
+MODES = ("colocated",)
+INTERNAL_HOST = "127.0.0.1"
+TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
+TOKEN_FILE_ENV = "KVRELAY_INTERNAL_TOKEN_FILE"
+DEFAULT_GRACE_S = 30.0
+MAX_PORT = 65535
+LIVENESS_TIMEOUT_S = 2.0
+
+
+class UpError(KvrelayError):
+    """`kvrelay up` cannot start the stack as asked: an unknown mode, a bad worker count, busy ports."""
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    codec: int
+    router: int
+    workers: tuple[int, ...]
+
+    def all(self) -> list[tuple[str, int]]:
+        """(service name, port) for every service, in start order."""
+        named = [(f"worker-{i}", port) for i, port in enumerate(self.workers)]
+        return [*named, ("router", self.router), ("codec", self.codec)]
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """Everything the child command lines are built from."""
+
+    host: str
+    ports: StackPorts
+    config_path: Path
+    model_dir: Path
+    threads_per_worker: int
+    env: Mapping[str, str]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the whole stack locally (workers, router, codec), supervised")
+    p.add_argument("--mode", default="colocated", help="deployment shape; only 'colocated' exists for now")
+    p.add_argument("--workers", type=int, default=1, help="number of colocated workers (default 1)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="public HTTP port and base of the internal ones "
+        "(default: server.port from the config, 8000); 0 takes free ports",
+    )
+    p.add_argument("--host", default=None, help="public HTTP host (default: server.host, 127.0.0.1)")
+    p.add_argument("--config", default=None, help="kvrelay YAML config")
+    p.add_argument("--model", default=None, help="model directory (default: model.path from the config)")
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="how long children may take to stop before they are killed (default 30)",
+    )
+    p.set_defaults(handler=run)
+
+
+def derive_ports(base_port: int, num_workers: int, free_ports: Callable[[int], list[int]]) -> StackPorts:
+    """codec = base, router = base + 1, worker i = base + 2 + i; base 0 asks `free_ports` for them all."""
+    if num_workers < 1:
+        raise UpError(f"--workers must be at least 1, got {num_workers}")
+    num_ports = num_workers + 2
+    if base_port == 0:
+        ports = free_ports(num_ports)
+    elif base_port >= 1 and base_port + num_ports - 1 <= MAX_PORT:
+        ports = list(range(base_port, base_port + num_ports))
+    else:
+        raise UpError(
+            f"--port {base_port} leaves no room for {num_ports} ports (codec, router, {num_workers} "
+            f"worker(s)) below {MAX_PORT + 1}; pick a lower port or 0 for free ones"
+        )
+    return StackPorts(codec=ports[0], router=ports[1], workers=tuple(ports[2:]))
+
+
+def threads_per_worker(num_cores: int, num_workers: int) -> int:
+    """An even split of the cores, so the workers' threads add up to at most the cores (at least 1)."""
+    return max(1, num_cores // num_workers)
+
+
+def available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def free_ports(count: int, host: str = INTERNAL_HOST) -> list[int]:
+    """`count` distinct ports the OS calls free now (all held open together, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
+def child_env(base_env: Mapping[str, str], token: str) -> dict[str, str]:
+    """The children's environment: ours, with the stack's token replacing any token file setting."""
+    env = {k: v for k, v in base_env.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    env[TOKEN_ENV] = token
+    return env
+
+
+def build_specs(plan: StackPlan, python: str = sys.executable) -> list[ServiceSpec]:
+    """Workers, router and codec as the supervisor runs them (`python -m services.cli.main ...`)."""
+    kvrelay = [python, "-m", "services.cli.main"]
+    config = {"--config": str(plan.config_path)}
+    model = {"--model": str(plan.model_dir)}
+    worker_addresses = [f"{INTERNAL_HOST}:{port}" for port in plan.ports.workers]
+    router_address = f"{INTERNAL_HOST}:{plan.ports.router}"
+    specs = []
+    for i, (port, address) in enumerate(zip(plan.ports.workers, worker_addresses, strict=True)):
+        name = f"worker-{i}"
+        flags = {
+            **config,
+            **model,
+            "--role": "colocated",
+            **_listen(INTERNAL_HOST, port),
+            "--threads": str(plan.threads_per_worker),
+            "--name": name,
+        }
+        argv = [*kvrelay, "worker", *_flatten(flags)]
+        liveness = GrpcHealthCheck(address, timeout_s=LIVENESS_TIMEOUT_S, service=LIVENESS_SERVICE)
+        specs.append(ServiceSpec(name, Role.WORKER, argv, plan.env, port, GrpcHealthCheck(address), liveness))
+    flags = {**config, **_listen(INTERNAL_HOST, plan.ports.router), "--workers": ",".join(worker_addresses)}
+    argv = [*kvrelay, "router", *_flatten(flags)]
+    specs.append(
+        ServiceSpec("router", Role.ROUTER, argv, plan.env, plan.ports.router, GrpcHealthCheck(router_address))
+    )
+    flags = {**config, **model, "--router": router_address, **_listen(plan.host, plan.ports.codec)}
+    argv = [*kvrelay, "codec", *_flatten(flags)]
+    ready = HttpReadyCheck(f"{public_url(_probe_host(plan.host), plan.ports.codec)}/ready")
+    specs.append(ServiceSpec("codec", Role.CODEC, argv, plan.env, plan.ports.codec, ready))
+    return specs
+
+
+def _listen(host: str, port: int) -> dict[str, str]:
+    return {"--host": host, "--port": str(port)}
+
+
+def _flatten(flags: Mapping[str, str]) -> list[str]:
+    return [part for flag, value in flags.items() for part in (flag, value)]
+
+
+def public_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("up")
+    if args.mode not in MODES:
+        raise UpError(
+            f"--mode {args.mode} is not available yet: only {', '.join(MODES)} (one process "
+            "per worker doing both prefill and decode); disaggregated serving comes later"
+        )
+    if args.grace_seconds < 0:
+        raise UpError(f"--grace-seconds must be 0 or more, got {args.grace_seconds}")
+    cfg = load_config(args.config)
+    model_dir = Path(args.model or cfg.model.path).resolve()
+    if not model_dir.is_dir():
+        raise ModelNotFoundError(
+            f"model directory {model_dir} does not exist; run `kvrelay models prepare` or pass --model"
+        )
+    host = args.host or cfg.server.host
+    ports = derive_ports(cfg.server.port if args.port is None else args.port, args.workers, free_ports)
+    if args.port != 0:
+        _check_ports_free(host, ports)
+    with tempfile.TemporaryDirectory(prefix="kvrelay-up-") as tmp:
+        plan = StackPlan(
+            host=host,
+            ports=ports,
+            config_path=_write_config(Path(tmp), cfg, model_dir, host, ports.codec),
+            model_dir=model_dir,
+            threads_per_worker=threads_per_worker(available_cores(), args.workers),
+            env=child_env(os.environ, secrets.token_urlsafe(32)),
+        )
+        return _supervise(plan, args.grace_seconds)
+
+
+def _supervise(plan: StackPlan, grace_s: float) -> int:
+    url = public_url(plan.host, plan.ports.codec)
+    log.info(
+        "starting the stack",
+        extra={
+            "mode": "colocated",
+            "url": url,
+            "ports": dict(plan.ports.all()),
+            "model": str(plan.model_dir),
+            "num_workers": len(plan.ports.workers),
+            "threads_per_worker": plan.threads_per_worker,
+        },
+    )
+    log.warning("open mode: no API key is required; for local use only", extra={"auth": "open"})
+
+    def announce() -> None:
+        print(f"kvrelay ready on {url}", flush=True)
+
+    supervisor = Supervisor(build_specs(plan), SupervisorOptions(grace_s=grace_s), on_ready=announce)
+    return supervisor.run()
+
+
+def _write_config(directory: Path, cfg: KvrelayConfig, model_dir: Path, host: str, port: int) -> Path:
+    model = cfg.model.model_copy(update={"path": str(model_dir)})
+    server = cfg.server.model_copy(update={"host": host, "port": port})
+    path = directory / "config.yaml"
+    path.write_text(dump_config(cfg.model_copy(update={"model": model, "server": server})))
+    return path
+
+
+def _check_ports_free(host: str, ports: StackPorts) -> None:
+    """Fail before starting anything if a port is taken (gRPC servers share ports with SO_REUSEPORT,
+    so a clash would not even fail loudly)."""
+    for name, port in ports.all():
+        bind_host = host if name == "codec" else INTERNAL_HOST
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((bind_host, port))
+            except OSError as exc:
+                raise UpError(
+                    f"port {port} ({name}) on {bind_host} is not free ({exc.strerror}); the stack uses "
+                    f"ports {ports.codec}-{ports.codec + len(ports.workers) + 1}: pick another --port, "
+                    "or --port 0 for free ones"
+                ) from None
+
+
+def _probe_host(host: str) -> str:
+    """Where to reach a server bound to `host`: a wildcard address is probed through loopback."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)

@@ -1,0 +1,227 @@
+"""`kvrelay up` on the real model: the whole stack as one command, `kvrelay status`, two stacks side by
+side, a killed worker coming back, and SIGTERM ending every child."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.model
+
+KVRELAY = [sys.executable, "-m", "services.cli.main"]
+READY_TIMEOUT_S = 120.0
+CONFIG = "engine:\n  kv_cache_memory_mb: 128\n  max_model_len: 2048\n"
+
+
+@dataclass
+class UpStack:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def children(self) -> dict[str, int]:
+        """PID of each service process by subcommand (worker, router, codec), from /proc."""
+        found: dict[str, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.proc.pid and len(argv) > 3:
+                found[argv[3].decode()] = int(entry.name)
+        return found
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM `kvrelay up`; if it hangs, kill it and every child it left (by PID)."""
+        children = self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                for pid in [self.proc.pid, *children.values()]:
+                    _kill(pid)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def free_base_port(num_ports: int) -> int:
+    """A base port with `num_ports` consecutive free ports above it."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        try:
+            for port in range(base, base + num_ports):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no run of free ports found")
+
+
+def wait_until(condition: Callable[[], bool], stack: UpStack, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if stack.proc.poll() is not None:
+            raise RuntimeError(f"kvrelay up exited with {stack.proc.returncode}:\n{stack.log()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s}s:\n{stack.log()}")
+        time.sleep(0.3)
+
+
+def is_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_up(model_dir: Path, workdir: Path) -> UpStack:
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "config.yaml"
+    config.write_text(CONFIG)
+    base = free_base_port(3)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")} | {"PYTHONUNBUFFERED": "1"}
+    argv = ["up", "--port", str(base), "--model", str(model_dir), "--config", str(config)]
+    log_path = workdir / "up.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*KVRELAY, *argv, "--grace-seconds", "10"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    stack = UpStack(proc, f"http://127.0.0.1:{base}", log_path)
+    try:
+        announced = f"kvrelay ready on {stack.url}"
+        wait_until(lambda: announced in stack.log_path.read_text(), stack, "not announced", READY_TIMEOUT_S)
+        assert is_ready(stack.url)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    running = start_up(model_dir, tmp_path_factory.mktemp("up-a"))
+    yield running
+    running.stop()
+
+
+def complete(url: str, prompt: str = "The capital of France is") -> dict[str, Any]:
+    model = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
+    assert reply.status_code == 200, reply.text
+    document: dict[str, Any] = reply.json()
+    return document
+
+
+def status_json(url: str) -> dict[str, Any]:
+    result = subprocess.run(
+        [*KVRELAY, "status", "--json", "--url", url], cwd=REPO_ROOT, capture_output=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
+def test_up_starts_the_stack_and_status_lists_every_service(stack: UpStack) -> None:
+    assert set(stack.children()) == {"worker", "router", "codec"}
+    services = status_json(stack.url)["services"]
+    roles = {str(s["role"]) for s in services}
+    assert {"codec", "router"} <= roles and roles & {"worker", "colocated"}
+    worker = next(s for s in services if s["role"] in ("worker", "colocated"))
+    assert worker["ready"] is True
+    kv = worker["kv_blocks"]
+    assert isinstance(kv, dict) and set(kv) >= {"total", "active", "cached", "free"} and kv["total"] > 0
+    assert {"queries", "hits"} <= set(worker["prefix_cache"])
+    table = subprocess.run([*KVRELAY, "status", "--url", stack.url], cwd=REPO_ROOT, capture_output=True)
+    assert table.returncode == 0 and b"worker" in table.stdout
+
+
+def test_the_internal_token_reaches_children_only_through_their_environment(stack: UpStack) -> None:
+    children = stack.children()
+    environ = Path(f"/proc/{children['worker']}/environ").read_bytes().split(b"\0")
+    token = next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"KVRELAY_INTERNAL_TOKEN="))
+    assert len(token) >= 32
+    for pid in [stack.proc.pid, *children.values()]:
+        assert token not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert token.decode() not in stack.log_path.read_text(errors="replace")
+
+
+def test_a_completion_goes_through_the_stack(stack: UpStack) -> None:
+    reply = complete(stack.url)
+    assert reply["choices"][0]["text"]
+    assert reply["usage"]["completion_tokens"] == 5
+
+
+def test_two_stacks_side_by_side_and_sigterm_ends_every_child(
+    stack: UpStack, model_dir: Path, tmp_path: Path
+) -> None:
+    other = start_up(model_dir, tmp_path / "up-b")
+    try:
+        assert other.url != stack.url
+        assert complete(other.url)["choices"] and complete(stack.url)["choices"]
+        children = other.children()
+        assert set(children) == {"worker", "router", "codec"}
+    finally:
+        code = other.stop()
+    assert code == 0, other.log()
+    assert not any(is_alive(pid) for pid in children.values())
+    assert is_ready(stack.url)
+
+
+def test_a_killed_worker_is_restarted_and_the_stack_is_ready_again(stack: UpStack) -> None:
+    old_pid = stack.children()["worker"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: stack.children().get("worker", old_pid) != old_pid, stack, "no new worker", 30)
+    wait_until(lambda: is_ready(stack.url), stack, "not ready again", READY_TIMEOUT_S)
+    wait_until(lambda: _completes(stack.url), stack, "no completion after the restart", 60)
+    assert not is_alive(old_pid)
+
+
+def _completes(url: str) -> bool:
+    try:
+        complete(url)
+    except (AssertionError, httpx.HTTPError):
+        return False
+    return True
