@@ -26,11 +26,13 @@ def free_port() -> int:
 class Proc:
     """A child process whose output goes to a log file; stopped with SIGTERM, then SIGKILL."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.popen = subprocess.Popen(
-            KVRELAY + args,
+            (command or KVRELAY) + args,
             cwd=REPO_ROOT,
             env=env,
             stdout=self._log,
