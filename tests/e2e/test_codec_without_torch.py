@@ -4,6 +4,7 @@ worker and router running in the project venv."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,15 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def codec_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    venv = tmp_path_factory.mktemp("codec-venv") / "venv"
+    root = tmp_path_factory.mktemp("codec-venv")
+    # Build from a copy, so setuptools leaves no build/ or egg-info behind in the checkout.
+    source = root / "src"
+    skip = shutil.ignore_patterns(".venv", ".git", "models", "build", "*.egg-info", "__pycache__", ".*_cache")
+    shutil.copytree(REPO_ROOT, source, ignore=skip)
+    venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*pip, f"{REPO_ROOT}[codec]"], check=True, env={**os.environ, "PIP_NO_INPUT": "1"})
+    subprocess.run([*pip, f"{source}[codec]"], check=True, env={**os.environ, "PIP_NO_INPUT": "1"})
     return venv
 
 
