@@ -8,6 +8,7 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (engine)")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    from services.cli import bench_engine
+    from services.cli import bench_engine, bench_stack
 
     bench_engine.register(bench_sub)
+    bench_stack.register(bench_sub)

@@ -1,4 +1,4 @@
-"""`kvrelay codec`: the HTTP front door (OpenAI protocols) in front of a router."""
+"""`kvrelay codec`: the HTTP front door (OpenAI protocols) and, with --grpc-port, the public gRPC API."""
 
 from __future__ import annotations
 
@@ -8,12 +8,19 @@ from services.codec.server import DEFAULT_GRACE_S
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("codec", help="run the codec (HTTP front door) in front of a router")
+    p = sub.add_parser("codec", help="run the codec (HTTP and public gRPC front door) in front of a router")
     p.add_argument("--config", default=None, help="kvrelay YAML config")
     p.add_argument("--model", default=None, help="model directory for the tokenizer (default: model.path)")
     p.add_argument("--router", required=True, help="router gRPC address, HOST:PORT")
     p.add_argument("--host", default=None, help="listen address (default: server.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: server.port, 8000)")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="serve the public gRPC API (kvrelay.v1.Inference, health, reflection; docs/grpc.md) on this "
+        "port at --host; 0 or absent: off",
+    )
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, help="graceful shutdown timeout")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(handler=run)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 
 from fastapi import FastAPI
 
-from services.codec import openai_chat, openai_completions, routes_health, routes_misc
+from services.codec import anthropic_messages, openai_chat, openai_completions, routes_health, routes_misc
 from services.codec.backend import Backend
 from services.codec.errors import install_error_handlers
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from services.codec.openai_responses import install_responses
 from services.codec.routes_health import kvrelay_version
 from services.codec.state import CodecIdentity, CodecState
 from services.codec.tokenizer import Tokenizer
@@ -18,15 +19,24 @@ from services.common.config import KvrelayConfig
 
 
 def create_app(
-    backend: Backend, tokenizer: Tokenizer, config: KvrelayConfig, identity: CodecIdentity
+    backend: Backend,
+    tokenizer: Tokenizer,
+    config: KvrelayConfig,
+    identity: CodecIdentity,
+    *,
+    serve_alongside: Callable[[CodecState], AbstractAsyncContextManager[object]] | None = None,
 ) -> FastAPI:
-    """One codec app over `backend`. The app owns the backend: it is closed when the app shuts down."""
+    """One codec app over `backend`. The app owns the backend: it is closed when the app shuts down.
+
+    `serve_alongside(state)` (the public gRPC server) is entered at startup and exited at shutdown,
+    before the backend closes, so what it serves can finish."""
     state = CodecState.build(backend, tokenizer, config, identity)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
-            yield
+            async with serve_alongside(state) if serve_alongside else nullcontext():
+                yield
         finally:
             await backend.close()
 
@@ -42,6 +52,8 @@ def create_app(
     install_error_handlers(app)
     for module in (openai_chat, openai_completions, routes_misc, routes_health):
         app.include_router(module.router)
+    app.include_router(anthropic_messages.router)
+    install_responses(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)  # added last: outermost
     return app

@@ -1,4 +1,6 @@
-"""Errors at the HTTP edge, in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors at the HTTP edge, in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`,
+except on Anthropic's routes (/v1/messages*), where they take Anthropic's shape:
+`{"type": "error", "error": {"type", "message"}, "request_id"}`, its `error.type` chosen by status.
 
 The codec adds these leaves to the common tree (services/common/errors.py); each maps to one status:
 
@@ -19,7 +21,8 @@ The codec adds these leaves to the common tree (services/common/errors.py); each
     any other exception                       500 server_error, logged with the request ID, never leaked
 
 `describe` is the one mapping from an exception to its wire error; the JSON handlers, the middleware's
-fallback and the in-band stream error all use it.
+fallback and the in-band stream error all use it. `error_response` picks the shape from the request
+path when the response is sent, so the middleware's errors (413, last-resort 500) follow it too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from services.codec.backend import BackendFailedError, BackendRejectedError, BackendUnavailableError
 from services.codec.metrics import STATUS_CLIENT_CLOSED
@@ -42,6 +46,21 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 class PromptTooLongError(ContextLengthExceededError):
@@ -102,6 +121,29 @@ class WireError:
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self, request_id: str | None = None) -> dict[str, Any]:
+        """Anthropic's shape, which has no `param`: the message names it instead. The in-band stream
+        error event carries no `request_id`."""
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        body: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": anthropic_error_type(self.status), "message": message},
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        return body
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's `error.type` for an HTTP status; unlisted 4xx are invalid requests, 5xx API errors."""
+    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(f"{ANTHROPIC_PATH}/")
+
 
 _INVALID_STATUS: tuple[tuple[type[InvalidRequestError], int, str | None], ...] = (
     (ContextLengthExceededError, 400, "context_length_exceeded"),
@@ -144,8 +186,25 @@ def is_expected(exc: BaseException) -> bool:
     return isinstance(exc, expected)
 
 
+class ErrorResponse(JSONResponse):
+    """A JSON error in OpenAI's shape, or in Anthropic's (plus a `request-id` header) when the request's
+    path is one of Anthropic's routes; the path is read from the ASGI scope when the response is sent."""
+
+    def __init__(self, error: WireError, headers: dict[str, str] | None = None) -> None:
+        self.error = error
+        super().__init__(error.body(), status_code=error.status, headers={**error.headers, **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if is_anthropic_path(str(scope.get("path", ""))):
+            request_id = str(scope.get("state", {}).get("request_id", ""))
+            self.body = self.render(self.error.anthropic_body(request_id))
+            self.headers["content-length"] = str(len(self.body))
+            self.headers[ANTHROPIC_REQUEST_ID_HEADER] = request_id
+        await super().__call__(scope, receive, send)
+
+
 def error_response(error: WireError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers={**error.headers, **(headers or {})})
+    return ErrorResponse(error, headers)
 
 
 def _request_id(request: Request) -> str:
@@ -177,7 +236,7 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error the routes raise becomes OpenAI's shape; FastAPI's 422 shape never reaches a client."""
+    """Every error the routes raise becomes OpenAI's (or Anthropic's) shape; FastAPI's 422 never does."""
     app.add_exception_handler(KvrelayError, _on_kvrelay_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)

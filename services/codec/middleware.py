@@ -95,9 +95,13 @@ class BodyLimitMiddleware:
 
 
 def _request_ids(scope: Scope) -> tuple[str, str]:
-    """(the ID clients and logs see, the ID sent inward). A client's ID may repeat across requests,
-    so the inward one gets a random suffix then; ours is unique already."""
-    given = _header(scope, REQUEST_ID_HEADER)
+    return new_request_ids(_header(scope, REQUEST_ID_HEADER))
+
+
+def new_request_ids(given: str | None) -> tuple[str, str]:
+    """(the ID clients and logs see, the ID sent inward) for a client's `x-request-id` (or None). A
+    client's ID may repeat across requests, so the inward one gets a random suffix then; ours is unique
+    already. Shared with the public gRPC API (its `x-request-id` metadata)."""
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
         return given, f"{given}-{secrets.token_hex(4)}"
     generated = f"req_{secrets.token_hex(12)}"
@@ -121,11 +125,17 @@ def _content_length(scope: Scope) -> int | None:
 
 def _log_access(scope: Scope, stats: RequestStats, status: int) -> None:
     path = str(scope.get("path", ""))
+    log_access(stats, status, method=str(scope.get("method", "")), route=path, is_quiet=path in QUIET_PATHS)
+
+
+def log_access(stats: RequestStats, status: int, *, method: str, route: str, is_quiet: bool = False) -> None:
+    """One JSON access-log line: timings and token counts, never text. The public gRPC API logs with it
+    too (method "gRPC", route the full method name, status the HTTP-equivalent)."""
     ttft = stats.ttft_s
     fields = {
         "request_id": stats.request_id,
-        "method": scope.get("method", ""),
-        "route": path,
+        "method": method,
+        "route": route,
         "status": status,
         "protocol": stats.protocol,
         "outcome": stats.stream_outcome.value if stats.stream_outcome else None,
@@ -135,5 +145,4 @@ def _log_access(scope: Scope, stats: RequestStats, status: int) -> None:
         "completion_tokens": stats.num_completion_tokens,
         "cached_tokens": stats.num_cached_tokens,
     }
-    level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
-    access_logger.log(level, "request", extra=fields)
+    access_logger.log(logging.DEBUG if is_quiet else logging.INFO, "request", extra=fields)

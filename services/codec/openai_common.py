@@ -1,5 +1,6 @@
 """What the two OpenAI text protocols share: admission and start, the response envelope, usage,
-collecting a non-streamed result, and streaming with OpenAI's in-band error event.
+collecting a non-streamed result, and streaming with OpenAI's in-band error event. `admit` is
+protocol-neutral; the public gRPC API (grpc_public.py), which reuses these schemas, calls it too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,37 @@ async def admit_and_start(
     prompt_param: str,
 ) -> GenerationStream:
     """Context checks, sampling validation, then the backend. Every refusal happens before any byte."""
+    generation_request = await admit(
+        state,
+        stats,
+        fields,
+        prompt_token_ids,
+        request_id=backend_request_id(request),
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_param=prompt_param,
+        timeout_s=state.request_timeout_s,
+    )
+    # A client that leaves while the request waits for its first token aborts it there and then.
+    return await unless_client_leaves(
+        request.receive, lambda: state.generator.start(generation_request, stats)
+    )
+
+
+async def admit(
+    state: CodecState,
+    stats: RequestStats,
+    fields: SamplingFields,
+    prompt_token_ids: list[int],
+    *,
+    request_id: str,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+    timeout_s: float | None,
+) -> GenerationRequest:
+    """The request to start, after the context checks and sampling validation (protocol-neutral: the
+    public gRPC API uses it too). Refusals raise InvalidRequestError subclasses."""
     num_prompt_tokens = len(prompt_token_ids)
     resolved = await state.admission.resolve_max_tokens(num_prompt_tokens, max_tokens, prompt_param)
     info = await state.admission.backend_info()
@@ -48,16 +80,12 @@ async def admit_and_start(
         fields.sampling_kwargs(), max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size
     )
     stats.num_prompt_tokens = num_prompt_tokens
-    generation_request = GenerationRequest(
-        request_id=backend_request_id(request),
+    return GenerationRequest(
+        request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling=sampling,
         stop=fields.stop_strings(),
-        timeout_s=state.request_timeout_s,
-    )
-    # A client that leaves while the request waits for its first token aborts it there and then.
-    return await unless_client_leaves(
-        request.receive, lambda: state.generator.start(generation_request, stats)
+        timeout_s=timeout_s,
     )
 
 

@@ -25,11 +25,11 @@ from services.codec.openai_common import (
     stream_response,
     usage_body,
 )
-from services.codec.prompts import check_token_ids, encode_text, require_tokens
+from services.codec.prompts import encode_prompt
 from services.codec.request_body import parse_schema, read_json_object
 from services.codec.schemas.openai import CompletionRequest
 from services.codec.sse import DONE, encode_event
-from services.codec.state import CodecState, codec_state, request_stats
+from services.codec.state import codec_state, request_stats
 
 PROTOCOL = "completions"
 ID_PREFIX = "cmpl"
@@ -46,7 +46,9 @@ async def create_completion(request: Request) -> Response:
     body = parse_schema(CompletionRequest, await read_json_object(request))
     state.check_model(body.model)
     body.check_supported()
-    prompt_ids = await _prompt_ids(state, body.single_prompt())
+    prompt_ids = await encode_prompt(
+        body.single_prompt(), state.tokenizer, state.admission, state.metrics, "prompt"
+    )
     generation = await admit_and_start(
         request,
         state,
@@ -64,13 +66,6 @@ async def create_completion(request: Request) -> Response:
         return stream_response(request, stats, generation, events)
     samples, usage = await collect_unless_gone(request, generation, num_samples)
     return JSONResponse(_completion_body(envelope, samples, usage, body.logprobs is not None))
-
-
-async def _prompt_ids(state: CodecState, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return require_tokens(encode_text(state.tokenizer, prompt, state.metrics), "prompt")
-    vocab_size = (await state.admission.backend_info()).vocab_size
-    return require_tokens(check_token_ids(prompt, vocab_size, "prompt"), "prompt")
 
 
 def _completion_body(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.codec.admission import Admission
 from services.codec.chat_template import ChatTemplate
 from services.codec.metrics import CodecMetrics
 from services.codec.tokenizer import Tokenizer
@@ -52,3 +53,14 @@ def require_tokens(token_ids: list[int], param: str) -> list[int]:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param=param)
     return token_ids
+
+
+async def encode_prompt(
+    prompt: str | list[int], tokenizer: Tokenizer, admission: Admission, metrics: CodecMetrics, param: str
+) -> list[int]:
+    """A plain prompt's token IDs: text is tokenized, IDs are checked against the backend's vocabulary
+    (fetched only for IDs). An empty prompt is a 400 naming `param`."""
+    if isinstance(prompt, str):
+        return require_tokens(encode_text(tokenizer, prompt, metrics), param)
+    vocab_size = (await admission.backend_info()).vocab_size
+    return require_tokens(check_token_ids(prompt, vocab_size, param), param)

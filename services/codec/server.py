@@ -1,7 +1,9 @@
-"""Running the codec: load and verify the tokenizer, connect to the router, serve HTTP with uvicorn.
+"""Running the codec: load and verify the tokenizer, connect to the router, serve HTTP with uvicorn and,
+with a gRPC port, the public gRPC API (grpc_public_server.py) on the same event loop.
 
 The tokenizer directory is checked against its manifest (tokenizer scope) first, so the fingerprints
-the codec reports are those of the files it actually loaded.
+the codec reports are those of the files it actually loaded. On SIGTERM/SIGINT, HTTP and gRPC drain
+together (each for up to the grace period), then the backend closes.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import math
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import uvicorn
 
 from services.codec.app import create_app
 from services.codec.backend import Backend
+from services.codec.grpc_public_server import PublicGrpcServer
 from services.codec.state import CodecIdentity
 from services.codec.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig, load_config
@@ -35,6 +39,7 @@ class CodecOptions:
     host: str
     port: int
     grace_s: float = DEFAULT_GRACE_S
+    grpc_port: int = 0  # the public gRPC API's port on `host`; 0 is off
 
 
 def load_tokenizer(model_dir: Path, config: KvrelayConfig) -> tuple[Tokenizer, CodecIdentity]:
@@ -53,9 +58,32 @@ def connect_backend(router_address: str) -> Backend:
     return GrpcBackend(router_address, TokenSource.from_env())
 
 
+class CodecServer(uvicorn.Server):
+    """uvicorn whose shutdown also starts draining the public gRPC server, so both drain at once; the
+    app's lifespan then waits for that drain before it closes the backend."""
+
+    def __init__(self, config: uvicorn.Config, public_grpc: PublicGrpcServer | None) -> None:
+        super().__init__(config)
+        self.public_grpc = public_grpc
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.public_grpc is not None:
+            self.public_grpc.begin_stop()
+        await super().shutdown(sockets)
+
+
 async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
     tokenizer, identity = load_tokenizer(options.model_dir, config)
-    app = create_app(connect_backend(options.router_address), tokenizer, config, identity)
+    public_grpc = (
+        PublicGrpcServer(options.host, options.grpc_port, options.grace_s) if options.grpc_port else None
+    )
+    app = create_app(
+        connect_backend(options.router_address),
+        tokenizer,
+        config,
+        identity,
+        serve_alongside=public_grpc.serving if public_grpc else None,
+    )
     server_config = uvicorn.Config(
         app,
         host=options.host,
@@ -69,12 +97,13 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         "codec serving",
         extra={
             "address": f"{options.host}:{options.port}",
+            "grpc_address": public_grpc.address if public_grpc else None,
             "router": options.router_address,
             "model": identity.model_name,
             "tokenizer_fingerprint": identity.tokenizer_fingerprint,
         },
     )
-    await uvicorn.Server(server_config).serve()
+    await CodecServer(server_config, public_grpc).serve()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -90,6 +119,6 @@ def main(args: argparse.Namespace) -> int:
             "server": config.server.model_copy(update={"host": host, "port": port}),
         }
     )
-    options = CodecOptions(model_dir, args.router, host, port, args.grace_seconds)
+    options = CodecOptions(model_dir, args.router, host, port, args.grace_seconds, args.grpc_port or 0)
     asyncio.run(serve(config, options))
     return 0

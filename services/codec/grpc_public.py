@@ -1,0 +1,232 @@
+"""The public gRPC API's servicer (protos/kvrelay/v1/public.proto): Chat and Generate, streamed.
+
+Each RPC runs the pieces its HTTP twin runs: the request is read in the HTTP schema's terms
+(grpc_public_requests.py), the prompt is rendered and tokenized by prompts.py, `openai_common.admit`
+applies the context checks and sampling validation, and generation.py produces the text events that
+become stream messages here. Every refusal happens before the backend sees the request.
+
+Errors go through `errors.describe` (the codec's one mapping from an exception to a wire error), then
+from its HTTP status to a gRPC code (GRPC_CODES). A client that cancels cancels the handler's task; the
+generation stream is closed in `finally`, which aborts the request behind the codec. Metrics and the
+access log get the same per-request stats as HTTP, under the protocols "grpc.chat" and "grpc.generate".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from services.codec.errors import describe, is_expected
+from services.codec.generation import (
+    FinishReason,
+    GenerationStream,
+    SampleFinished,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
+from services.codec.grpc_public_requests import chat_request, completion_request
+from services.codec.metrics import STATUS_CLIENT_CLOSED, RequestStats
+from services.codec.middleware import log_access, new_request_ids
+from services.codec.openai_common import admit
+from services.codec.prompts import encode_chat, encode_prompt
+from services.codec.schemas.openai import SamplingFields
+from services.codec.state import CodecState
+from services.common.grpc_auth import REQUEST_ID_KEY
+from services.proto_gen.kvrelay.v1 import public_pb2 as pb
+from services.proto_gen.kvrelay.v1 import public_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+PROTOCOLS = {"Chat": "grpc.chat", "Generate": "grpc.generate"}  # method → metrics/access-log protocol
+STATUS_OK = 200
+
+# The HTTP status `describe` gives an error → the gRPC code it becomes; anything else is INTERNAL.
+GRPC_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    STATUS_CLIENT_CLOSED: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+_FINISH_REASONS = {FinishReason.STOP: pb.SampleFinish.STOP, FinishReason.LENGTH: pb.SampleFinish.LENGTH}
+
+ResponseT = TypeVar("ResponseT", pb.ChatResponse, pb.TextGenerateResponse)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request read, checked and tokenized: what admission needs."""
+
+    fields: SamplingFields
+    prompt_token_ids: list[int]
+    max_tokens: int | None
+    logprobs: int | None
+    prompt_param: str
+
+
+class InferenceServicer(public_pb2_grpc.InferenceServicer):
+    """kvrelay.v1.Inference over one codec's state (shared with its HTTP app)."""
+
+    def __init__(self, state: CodecState) -> None:
+        self._state = state
+
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._serve(context, "Chat", pb.ChatResponse, lambda: self._prepare_chat(request))
+
+    async def Generate(self, request: pb.TextGenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._serve(
+            context, "Generate", pb.TextGenerateResponse, lambda: self._prepare_generate(request)
+        )
+
+    async def _prepare_chat(self, request: pb.ChatRequest) -> PreparedRequest:
+        state = self._state
+        body = chat_request(request, state.identity.model_name)
+        state.check_model(body.model)
+        body.check_supported()
+        template = state.require_chat_template()
+        prompt_ids = encode_chat(template, state.tokenizer, body.template_messages(), state.metrics)
+        return PreparedRequest(body, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages")
+
+    async def _prepare_generate(self, request: pb.TextGenerateRequest) -> PreparedRequest:
+        state = self._state
+        body = completion_request(request, state.identity.model_name)
+        state.check_model(body.model)
+        body.check_supported()
+        param = "prompt" if request.prompt else "prompt_token_ids"
+        prompt_ids = await encode_prompt(
+            body.single_prompt(), state.tokenizer, state.admission, state.metrics, param
+        )
+        return PreparedRequest(body, prompt_ids, body.max_tokens, body.logprobs, param)
+
+    async def _serve(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        response_cls: type[ResponseT],
+        prepare: Callable[[], Awaitable[PreparedRequest]],
+    ) -> None:
+        """Runs one RPC: request ID, the stream, the error status, metrics and the access log."""
+        request_id, backend_request_id = new_request_ids(_metadata_value(context, REQUEST_ID_KEY))
+        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+        stats = RequestStats(request_id=request_id, protocol=PROTOCOLS[method])
+        status = STATUS_OK
+        try:
+            prepared = await prepare()
+            await self._stream(context, stats, backend_request_id, prepared, response_cls)
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            status = STATUS_CLIENT_CLOSED
+            raise
+        except Exception as exc:
+            error = describe(exc, request_id)
+            status = error.status
+            if not is_expected(exc):
+                logger.error(
+                    "request failed: %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id}
+                )
+            await context.abort(GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL), error.message)
+        finally:
+            self._state.metrics.observe_request(stats, status)
+            log_access(stats, status, method="gRPC", route=f"/{SERVICE_NAME}/{method}")
+
+    async def _stream(
+        self,
+        context: grpc.aio.ServicerContext,
+        stats: RequestStats,
+        backend_request_id: str,
+        prepared: PreparedRequest,
+        response_cls: type[ResponseT],
+    ) -> None:
+        generation_request = await admit(
+            self._state,
+            stats,
+            prepared.fields,
+            prepared.prompt_token_ids,
+            request_id=backend_request_id,
+            max_tokens=prepared.max_tokens,
+            logprobs=prepared.logprobs,
+            prompt_param=prepared.prompt_param,
+            timeout_s=self._timeout_s(context),
+        )
+        generation = await self._state.generator.start(generation_request, stats)
+        try:
+            async with aclosing(response_messages(generation, response_cls)) as messages:
+                async for message in messages:
+                    await context.write(message)
+        finally:
+            await generation.aclose()  # aborts the request behind us unless it already finished
+
+    def _timeout_s(self, context: grpc.aio.ServicerContext) -> float:
+        """The server's request timeout, shortened by the client's deadline."""
+        remaining = context.time_remaining()
+        configured = self._state.request_timeout_s
+        return configured if remaining is None else min(configured, remaining)
+
+
+async def response_messages(
+    generation: GenerationStream, response_cls: type[ResponseT]
+) -> AsyncGenerator[ResponseT, None]:
+    """Stream messages for a generation's events. A sample's finish message is held until the next
+    event, so that the last one also carries the usage (which follows the last sample's finish)."""
+    held: ResponseT | None = None
+    async for event in generation:
+        if isinstance(event, Usage):
+            final = held if held is not None else response_cls()
+            final.usage.CopyFrom(usage_message(event))
+            held = None
+            yield final
+            continue
+        if held is not None:
+            yield held
+            held = None
+        if isinstance(event, TextDelta):
+            yield response_cls(
+                index=event.index,
+                text=event.text,
+                logprobs=[logprob_message(item) for item in event.logprobs],
+            )
+        else:
+            held = response_cls(index=event.index, finish=finish_message(event))
+    if held is not None:
+        yield held
+
+
+def finish_message(event: SampleFinished) -> pb.SampleFinish:
+    return pb.SampleFinish(
+        reason=_FINISH_REASONS[event.reason], matched_stop=event.stop or "", num_tokens=event.num_tokens
+    )
+
+
+def usage_message(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.num_prompt_tokens,
+        completion_tokens=usage.num_completion_tokens,
+        cached_tokens=usage.num_cached_tokens,
+    )
+
+
+def logprob_message(item: TokenLogprob) -> pb.OutputLogprob:
+    return pb.OutputLogprob(
+        token=item.token,
+        token_id=item.token_id,
+        logprob=item.logprob,
+        top_logprobs=[
+            pb.OutputLogprob.Alternative(token=top.token, token_id=top.token_id, logprob=top.logprob)
+            for top in item.top
+        ],
+    )
+
+
+def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for item_key, value in context.invocation_metadata() or ():
+        if item_key == key:
+            return value if isinstance(value, str) else None
+    return None
