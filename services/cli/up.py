@@ -63,6 +63,7 @@ class StackPlan:
     model_dir: Path
     threads_per_worker: int
     env: Mapping[str, str]
+    grpc_port: int | None = None  # the codec's public gRPC API (off when None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_GRACE_S,
         help="how long children may take to stop before they are killed (default 30)",
     )
+    p.add_argument("--grpc-port", type=int, default=None, help="serve the public gRPC API on this port")
     p.set_defaults(handler=run)
 
 
@@ -159,6 +161,8 @@ def build_specs(plan: StackPlan, python: str = sys.executable) -> list[ServiceSp
         ServiceSpec("router", Role.ROUTER, argv, plan.env, plan.ports.router, GrpcHealthCheck(router_address))
     )
     flags = {**config, **model, "--router": router_address, **_listen(plan.host, plan.ports.codec)}
+    if plan.grpc_port:
+        flags["--grpc-port"] = str(plan.grpc_port)
     argv = [*kvrelay, "codec", *_flatten(flags)]
     ready = HttpReadyCheck(f"{public_url(_probe_host(plan.host), plan.ports.codec)}/ready")
     specs.append(ServiceSpec("codec", Role.CODEC, argv, plan.env, plan.ports.codec, ready))
@@ -204,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             model_dir=model_dir,
             threads_per_worker=threads_per_worker(available_cores(), args.workers),
             env=child_env(os.environ, secrets.token_urlsafe(32)),
+            grpc_port=args.grpc_port,
         )
         return _supervise(plan, args.grace_seconds)
 

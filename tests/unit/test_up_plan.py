@@ -138,3 +138,14 @@ def test_a_busy_port_fails_before_anything_starts(tmp_path: Path) -> None:
         router_port = busy.getsockname()[1]
         with pytest.raises(up.UpError, match=f"port {router_port} \\(router\\)"):
             up.run(parse(["--model", str(tmp_path), "--port", str(router_port - 1)]))
+
+
+def test_the_public_grpc_port_reaches_the_codec_only_when_asked(tmp_path: Path) -> None:
+    import dataclasses
+
+    def codec_argv(p: up.StackPlan) -> list[str]:
+        return next(s.argv for s in up.build_specs(p, python="py") if s.name == "codec")
+
+    assert "--grpc-port" not in codec_argv(plan(tmp_path))
+    argv = codec_argv(dataclasses.replace(plan(tmp_path), grpc_port=9100))
+    assert argv[argv.index("--grpc-port") + 1] == "9100"
