@@ -220,6 +220,7 @@ def _stream_response(
         events,
         request_id=rid,
         error_event=error_event,
+        send_timeout_s=codec_state(request).stream_send_timeout_s,
         cleanup=generation.aclose,
         on_outcome=stats.set_stream_outcome,
     )

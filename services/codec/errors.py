@@ -15,6 +15,7 @@ The codec adds these leaves to the common tree (services/common/errors.py); each
     │   ├── BodyTooLargeError                 413
     │   └── UnknownModelError                 404 code model_not_found, param "model"
     ├── ClientClosedError                     499, logged only: the client left before the response
+    │   └── ClientStoppedReadingError         499, logged only: a streamed write waited too long
     ├── BackendRejectedError                  400 (the stack refused what the codec let through)
     ├── BackendUnavailableError               503 server_error + Retry-After
     └── BackendFailedError                    500 before the stream; an in-band error event after
@@ -107,6 +108,14 @@ class ClientClosedError(KvrelayError):
 
     def __init__(self) -> None:
         super().__init__("the client closed the request")
+
+
+class ClientStoppedReadingError(ClientClosedError):
+    """One write of a streamed response waited past `limits.stream_send_timeout_ms`: the client stopped
+    reading, so it counts as gone and the stream is stopped (which aborts the request behind it)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        KvrelayError.__init__(self, f"the client stopped reading: a write waited over {timeout_s:g} s")
 
 
 @dataclass(frozen=True)

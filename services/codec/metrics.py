@@ -28,6 +28,11 @@ class StreamOutcome(Enum):
     COMPLETED = "completed"
     FAILED = "failed"
     CLIENT_CLOSED = "client_closed"
+    CLIENT_STOPPED_READING = "client_stopped_reading"  # a write waited past limits.stream_send_timeout_ms
+
+    @property
+    def is_client_gone(self) -> bool:
+        return self in (StreamOutcome.CLIENT_CLOSED, StreamOutcome.CLIENT_STOPPED_READING)
 
 
 @dataclass
@@ -65,7 +70,7 @@ class RequestStats:
         """The HTTP status, or what a streamed failure would have been had it happened before the 200."""
         if self.stream_outcome is StreamOutcome.FAILED:
             return 500
-        if self.stream_outcome is StreamOutcome.CLIENT_CLOSED:
+        if self.stream_outcome is not None and self.stream_outcome.is_client_gone:
             return STATUS_CLIENT_CLOSED
         return http_status
 

@@ -4,7 +4,8 @@
 `req_<hex>`), puts it and a `RequestStats` in the scope state, adds `x-request-id` to every response,
 turns an exception nothing else handled into a 500 in OpenAI's shape (logged with the ID, never
 leaked), and when the response is done records metrics and writes one JSON access-log line with
-timings and token counts, never text.
+timings and token counts, never text. A stream that ended badly after its 200 is logged and counted
+with the status it would have had (500 failed, 499 client gone) and its `outcome`.
 
 `BodyLimitMiddleware` refuses a body over the limit: at once from Content-Length, else while the body
 streams in (the read raises BodyTooLargeError, a 413), so an oversize body is never buffered whole.
@@ -130,13 +131,15 @@ def _log_access(scope: Scope, stats: RequestStats, status: int) -> None:
 
 def log_access(stats: RequestStats, status: int, *, method: str, route: str, is_quiet: bool = False) -> None:
     """One JSON access-log line: timings and token counts, never text. The public gRPC API logs with it
-    too (method "gRPC", route the full method name, status the HTTP-equivalent)."""
+    too (method "gRPC", route the full method name, status the HTTP-equivalent). `status` is the one the
+    metrics count: a stream that ended badly after its 200 logs 500 or 499, with `http_status` 200."""
     ttft = stats.ttft_s
     fields = {
         "request_id": stats.request_id,
         "method": method,
         "route": route,
-        "status": status,
+        "status": stats.effective_status(status),
+        "http_status": status,
         "protocol": stats.protocol,
         "outcome": stats.stream_outcome.value if stats.stream_outcome else None,
         "ttft_ms": None if ttft is None else round(ttft * 1000, 3),

@@ -27,7 +27,7 @@ from services.codec.generation import (
 from services.codec.metrics import RequestStats, StreamOutcome
 from services.codec.schemas.openai import SamplingFields
 from services.codec.sse import EventStreamResponse, encode_event
-from services.codec.state import CodecState, backend_request_id, request_id
+from services.codec.state import CodecState, backend_request_id, codec_state, request_id
 
 
 async def admit_and_start(
@@ -180,5 +180,10 @@ def stream_response(
         stats.set_stream_outcome(outcome)
 
     return EventStreamResponse(
-        events, request_id=rid, error_event=error_event, cleanup=generation.aclose, on_outcome=on_outcome
+        events,
+        request_id=rid,
+        error_event=error_event,
+        send_timeout_s=codec_state(request).stream_send_timeout_s,
+        cleanup=generation.aclose,
+        on_outcome=on_outcome,
     )

@@ -186,6 +186,7 @@ def _stream_response(
         _events(generation, lifecycle, keeper),
         request_id=rid,
         error_event=lambda exc: lifecycle.failed(describe(exc, rid)),
+        send_timeout_s=codec_state(request).stream_send_timeout_s,
         cleanup=generation.aclose,
         on_outcome=stats.set_stream_outcome,
     )

@@ -8,6 +8,13 @@ watches for the client going away; then it stops at once and closes the event it
 `finally` blocks abort the request behind it. An exception from the iterator after the first byte
 becomes one in-band error event (formatted by the protocol), then the stream ends. Errors before
 the stream starts never reach this class: the route raises them and gets a normal JSON error.
+
+Backpressure: the next event is pulled from the iterator only after the previous write returned, and
+the server's `send` waits while the connection's write buffer is over its high-water mark (uvicorn
+honours the transport's pause_writing), so a slow client slows its own generation down and nothing
+queues up here. A client that stops reading altogether would hold its request (and its KV blocks)
+forever, so one write may wait at most `send_timeout_s`; past it the client counts as gone (499,
+outcome `client_stopped_reading`) and the stream stops as on a disconnect.
 """
 
 from __future__ import annotations
@@ -19,10 +26,10 @@ from typing import Any
 
 import anyio
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.codec.disconnect import cancel_on_disconnect
-from services.codec.errors import is_expected
+from services.codec.errors import ClientStoppedReadingError, is_expected
 from services.codec.metrics import StreamOutcome
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class EventStreamResponse(Response):
     """A `text/event-stream` response over `events` (already-encoded events).
 
     `error_event` formats an exception raised by `events` into the protocol's in-band error event.
+    `send_timeout_s` bounds each write: a client that accepts none for that long counts as gone.
     `cleanup` runs once at the end whatever happened (even if `events` never started), shielded from
     cancellation. `on_outcome` learns how the stream ended.
     """
@@ -58,6 +66,7 @@ class EventStreamResponse(Response):
         *,
         request_id: str,
         error_event: Callable[[BaseException], bytes],
+        send_timeout_s: float,
         cleanup: Callable[[], Awaitable[None]] | None = None,
         on_outcome: Callable[[StreamOutcome], None] | None = None,
     ) -> None:
@@ -67,19 +76,21 @@ class EventStreamResponse(Response):
         self._events = events
         self._request_id = request_id
         self._error_event = error_event
+        self._send_timeout_s = send_timeout_s
         self._cleanup = cleanup
         self._on_outcome = on_outcome
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = StreamOutcome.CLIENT_CLOSED
         try:
-            await send(
-                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-            )
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await self._send(send, start)
             async with anyio.create_task_group() as group:
                 group.start_soon(cancel_on_disconnect, receive, group.cancel_scope)
                 outcome = await self._stream(send)
                 group.cancel_scope.cancel()
+        except ClientStoppedReadingError as exc:
+            outcome = self._stopped_reading(exc)
         except OSError:  # the server reports a closed connection on send (ASGI spec 2.4)
             outcome = StreamOutcome.CLIENT_CLOSED
         finally:
@@ -100,14 +111,30 @@ class EventStreamResponse(Response):
                 except Exception as exc:
                     outcome = StreamOutcome.FAILED
                     _log_stream_failure(exc, self._request_id)
-                    chunk = self._error_event(exc)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await self._send_body(send, self._error_event(exc))
                     break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await self._send_body(send, chunk)
+            await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientStoppedReadingError as exc:
+            return self._stopped_reading(exc)
         except OSError:
             return StreamOutcome.CLIENT_CLOSED
         return outcome
+
+    async def _send_body(self, send: Send, chunk: bytes) -> None:
+        await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _send(self, send: Send, message: Message) -> None:
+        """One write, or ClientStoppedReadingError if the client accepts none for `send_timeout_s`."""
+        try:
+            with anyio.fail_after(self._send_timeout_s):
+                await send(message)
+        except TimeoutError as exc:  # only our deadline: a disconnect's cancellation passes through
+            raise ClientStoppedReadingError(self._send_timeout_s) from exc
+
+    def _stopped_reading(self, exc: ClientStoppedReadingError) -> StreamOutcome:
+        logger.warning("%s; stopping the stream", exc, extra={"request_id": self._request_id})
+        return StreamOutcome.CLIENT_STOPPED_READING
 
     async def _close(self) -> None:
         aclose = getattr(self._events, "aclose", None)

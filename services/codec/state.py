@@ -89,6 +89,10 @@ class CodecState:
     def request_timeout_s(self) -> float:
         return self.config.limits.request_timeout_ms / 1000.0
 
+    @property
+    def stream_send_timeout_s(self) -> float:
+        return self.config.limits.stream_send_timeout_ms / 1000.0
+
 
 def codec_state(request: Request) -> CodecState:
     state: CodecState = request.app.state.codec

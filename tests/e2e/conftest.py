@@ -7,9 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 
 TOKEN = "e2e-internal-token"
@@ -24,6 +27,13 @@ class RunningStack:
 
     def logs(self) -> str:
         return "\n".join(p.log() for p in self.procs)
+
+
+def worker_load(stack: RunningStack) -> pb.LoadResponse:
+    """The worker's live load: running and waiting requests, KV blocks."""
+    with grpc.insecure_channel(stack.worker_address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        return stub.Load(pb.LoadRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),))
 
 
 def wait_http_ready(url: str, proc: Proc, timeout: float = 120.0) -> None:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
 from openai import OpenAI
 
 from services.cli.main import main as kvrelay
-from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
-from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
-from tests.e2e.conftest import TOKEN, RunningStack
+from tests.e2e.conftest import RunningStack, worker_load
 
 pytestmark = pytest.mark.model
 
@@ -31,12 +28,6 @@ def client(stack: RunningStack) -> OpenAI:
 @pytest.fixture(scope="module")
 def model(client: OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def worker_load(stack: RunningStack) -> pb.LoadResponse:
-    with grpc.insecure_channel(stack.worker_address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        return stub.Load(pb.LoadRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),))
 
 
 def test_chat_answers_paris(client: OpenAI, model: str) -> None:

@@ -43,6 +43,7 @@ class Harness:
             events,
             request_id="req_t",
             error_event=lambda exc: encode_event({"error": {"message": str(exc)}}),
+            send_timeout_s=5.0,
             cleanup=self.cleanup,
             on_outcome=self.outcomes.append,
         )
@@ -116,3 +117,37 @@ async def test_a_send_that_fails_ends_the_stream_as_client_closed(error: OSError
 
     await harness.response(events())({"type": "http"}, harness.receive, failing_send)
     assert (harness.outcomes, harness.cleaned) == ([StreamOutcome.CLIENT_CLOSED], 1)
+
+
+async def test_a_write_that_waits_past_the_send_timeout_stops_the_stream_and_pulls_no_more() -> None:
+    num_pulled = 0
+    closed: list[bool] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        nonlocal num_pulled
+        try:
+            while True:  # endless: only the consumer's pace bounds it
+                num_pulled += 1
+                yield encode_event({"n": num_pulled})
+        finally:
+            closed.append(True)
+
+    harness = Harness()
+
+    async def stalling_send(message: Message) -> None:
+        harness.sent.append(message)
+        if len(harness.bodies()) == 3:
+            await anyio.sleep_forever()  # the client stopped reading: the write never completes
+
+    response = EventStreamResponse(
+        events(),
+        request_id="req_t",
+        error_event=lambda exc: b"",
+        send_timeout_s=0.05,
+        cleanup=harness.cleanup,
+        on_outcome=harness.outcomes.append,
+    )
+    with anyio.fail_after(5):
+        await response({"type": "http"}, harness.receive, stalling_send)
+    assert num_pulled == 3 and closed == [True]
+    assert (harness.outcomes, harness.cleaned) == ([StreamOutcome.CLIENT_STOPPED_READING], 1)
