@@ -31,7 +31,7 @@ QUESTIONS = [
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="engine decode/prefill throughput against transformers generate")
     p.add_argument("--model", default="models/smollm2-135m-instruct")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=512)
@@ -52,9 +52,14 @@ def run(args: argparse.Namespace) -> int:
     prompts = _chat_prompts(Path(args.model), max(batches))
     rng = random.Random(0)
     prefill_prompts = [[rng.randrange(100, 30000) for _ in range(args.prefill_tokens)] for _ in range(4)]
+    from services.engine.loader import resolve_precision
+
     result: dict[str, Any] = {
         "model": str(args.model),
         "dtype": args.dtype,
+        "precision": resolve_precision(args.dtype).describe(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "baseline": "transformers generate, bfloat16, sdpa",
         "threads": torch.get_num_threads(),
         "new_tokens": args.new_tokens,
         "prefill_tokens": args.prefill_tokens,
@@ -124,7 +129,9 @@ def _plot(result: dict[str, Any], batches: list[int], path: Path) -> None:
     ax1.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(batches))], [str(b) for b in batches])
     ax1.set_xlabel("concurrent sequences")
     ax1.set_ylabel("decode tok/s (prefill excluded)")
-    ax1.set_title(f"decode, {result['dtype']}, {result['threads']} threads")
+    ax1.set_title(
+        f"decode, {result['threads']} threads\nkvrelay: {result['precision']}; transformers: bfloat16"
+    )
     ax1.legend()
     bars = ax2.bar(sides, [result[s]["prefill_tok_s"] for s in sides], color=["C0", "C1"][: len(sides)])
     ax2.bar_label(bars, fmt="%.0f", fontsize=8)

@@ -67,8 +67,11 @@ def measure_baseline(
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa")
-    model = model.to(torch.bfloat16).eval()
+    # Loaded straight into bf16: the same round-to-nearest cast as loading fp32 and calling .to(bf16).
+    model = AutoModelForCausalLM.from_pretrained(
+        str(args.model), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
+    model.eval()
 
     class Stamp(LogitsProcessor):
         def __init__(self) -> None:

@@ -34,7 +34,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field(default="models/smollm2-135m-instruct", min_length=1)
     served_name: str | None = Field(default=None, min_length=1)
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class EngineConfig(_Section):
@@ -64,6 +64,7 @@ class LimitsConfig(_Section):
     concurrency_limit: int = Field(default=64, gt=0)
     queue_limit: int = Field(default=256, gt=0)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    stream_send_timeout_ms: int = Field(default=30_000, gt=0)
 
 
 class ServerConfig(_Section):

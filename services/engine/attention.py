@@ -1,16 +1,20 @@
-"""Attention over the paged KV cache: a batched fast path and an independent dense reference.
+"""Attention over the paged KV cache: step metadata, a batched torch path, and an independent reference.
 
 The cache of one layer is a flat array of slots, `[num_slots, 2, num_kv_heads, head_dim]`, where slot
 `block_id * block_size + offset` holds the K (index 0) and V (index 1) of one token. A step's tokens are
-laid out flat: every decode row (one query token each) first, then every prefill chunk. Each group is
-attended in one batched call: the context of each row is gathered from its block table into a padded
-tensor, with a mask for padding and causality. No per-sequence Python loop runs per layer.
+laid out flat: every decode row (one query token each) first, then every prefill chunk.
+
+Two fast paths read this metadata. Small steps go to the C kernel (`ops.cpu.CpuKernels.paged_attention`),
+which reads the cache through `block_tables` per token. Large steps take `paged_attention` below: each
+group (decode rows, prefill rows) is attended in one batched SDPA call over a padded gather of its
+context, or, for a lone fresh prompt, over the new K/V directly with `is_causal`. No per-sequence Python
+loop runs per layer. `reference_attention` shares no code with either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,31 +44,72 @@ class GroupMetadata:
 
 @dataclass
 class AttentionMetadata:
-    num_decode_tokens: int
+    """One step's layout, shared by every layer. The torch path's gather groups are built on first use."""
+
+    decode_rows: Sequence[RowSpec]
+    prefill_rows: Sequence[RowSpec]
+    block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     positions: torch.Tensor  # [num_tokens]
-    decode: GroupMetadata | None
-    prefill: GroupMetadata | None
+    token_rows: torch.Tensor  # [num_tokens] index of each token's row in block_tables
+    block_tables: torch.Tensor  # [num_rows, max_blocks] block ids, padding -> 0
+    max_context_len: int
+    _groups: dict[bool, GroupMetadata] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_rows)
+
+    @property
+    def num_prefill_key_reads(self) -> int:
+        """Query-key pairs of the prefill rows: their attention work, which grows with their context."""
+        return sum(r.num_new_tokens * r.context_len for r in self.prefill_rows)
+
+    @property
+    def is_fresh_prompt(self) -> bool:
+        """One prefill row starting at position 0 and nothing else: its context is exactly its new K/V."""
+        rows = self.prefill_rows
+        return not self.decode_rows and len(rows) == 1 and rows[0].start_position == 0
+
+    def group(self, is_decode: bool) -> GroupMetadata | None:
+        rows = self.decode_rows if is_decode else self.prefill_rows
+        if not rows:
+            return None
+        if is_decode not in self._groups:
+            self._groups[is_decode] = _group(rows, self.block_size, is_decode)
+        return self._groups[is_decode]
 
 
-def _slots(block_ids: Sequence[int], positions: range, block_size: int) -> list[int]:
-    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
-
-
-def build_metadata(decode_rows: Sequence[RowSpec], prefill_rows: Sequence[RowSpec], block_size: int):
+def build_metadata(
+    decode_rows: Sequence[RowSpec], prefill_rows: Sequence[RowSpec], block_size: int
+) -> AttentionMetadata:
     """Metadata for one step. Rows must be given in the flat token order: decode rows, then prefill."""
+    rows = (*decode_rows, *prefill_rows)
     slot_mapping: list[int] = []
     positions: list[int] = []
-    for row in (*decode_rows, *prefill_rows):
-        new_positions = range(row.start_position, row.context_len)
-        positions.extend(new_positions)
-        slot_mapping.extend(_slots(row.block_ids, new_positions, block_size))
+    token_rows: list[int] = []
+    tables: list[list[int]] = []
+    max_blocks = max(-(-r.context_len // block_size) for r in rows)
+    for i, row in enumerate(rows):
+        table = list(row.block_ids[:max_blocks])
+        tables.append(table + [0] * (max_blocks - len(table)))
+        for p in range(row.start_position, row.context_len):
+            positions.append(p)
+            slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+        token_rows.extend([i] * row.num_new_tokens)
     return AttentionMetadata(
-        num_decode_tokens=len(decode_rows),
+        decode_rows=decode_rows,
+        prefill_rows=prefill_rows,
+        block_size=block_size,
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),  # [num_tokens]
         positions=torch.tensor(positions, dtype=torch.long),  # [num_tokens]
-        decode=_group(decode_rows, block_size, is_decode=True) if decode_rows else None,
-        prefill=_group(prefill_rows, block_size, is_decode=False) if prefill_rows else None,
+        token_rows=torch.tensor(token_rows, dtype=torch.long),  # [num_tokens]
+        block_tables=torch.tensor(tables, dtype=torch.long),  # [num_rows, max_blocks]
+        max_context_len=max(r.context_len for r in rows),
     )
 
 
@@ -100,20 +145,28 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
     cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1))  # [num_tokens, 2, kv_heads, hd]
 
 
-def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, kv_heads, head_dim], already
+    written to the cache. Returns [num_tokens, num_heads, head_dim]."""
+    if meta.is_fresh_prompt:  # 4-D inputs: the 3-D form falls back to SDPA's slow math kernel
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, num_tokens, hd]
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_decode = meta.num_decode_tokens
-    if meta.decode is not None:
+    decode = meta.group(is_decode=True)
+    if decode is not None:
         q_d = q[:num_decode].unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
-        out[:num_decode] = _attend(q_d, cache, meta.decode).squeeze(2)
-    if meta.prefill is not None:
-        group = meta.prefill
-        if group.query_index is None or group.query_valid is None:
+        out[:num_decode] = _attend(q_d, cache, decode).squeeze(2)
+    prefill = meta.group(is_decode=False)
+    if prefill is not None:
+        if prefill.query_index is None or prefill.query_valid is None:
             raise ValueError("prefill group metadata lacks its query layout")
-        q_p = q[num_decode:][group.query_index].transpose(1, 2)  # [num_rows, num_heads, max_q, head_dim]
-        o_p = _attend(q_p, cache, group).transpose(1, 2)  # [num_rows, max_q, num_heads, head_dim]
-        out[num_decode:] = o_p[group.query_valid]  # [num_prefill_tokens, num_heads, head_dim]
+        q_p = q[num_decode:][prefill.query_index].transpose(1, 2)  # [num_rows, num_heads, max_q, head_dim]
+        o_p = _attend(q_p, cache, prefill).transpose(1, 2)  # [num_rows, max_q, num_heads, head_dim]
+        out[num_decode:] = o_p[prefill.query_valid]  # [num_prefill_tokens, num_heads, head_dim]
     return out
 
 
@@ -132,7 +185,7 @@ def reference_attention(
 ) -> torch.Tensor:
     """Slow, plain path: per row, copy its blocks into dense K/V, then float64 softmax attention.
 
-    q: [num_tokens, num_heads, head_dim] in the flat order of `rows`. Shares no code with the fast path.
+    q: [num_tokens, num_heads, head_dim] in the flat order of `rows`. Shares no code with the fast paths.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     outputs = []

@@ -1,4 +1,10 @@
-"""Rotary position embedding, in the Hugging Face "rotate half" layout."""
+"""Rotary position embedding, in the Hugging Face "rotate half" layout.
+
+x_rotated = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) for the halves x1, x2.
+The torch path computes the same products as roll(x) * sin_signed, where roll(x) = cat(x2, x1) and
+sin_signed = cat(-sin1, sin2): (-a) * b and a * (-b) are the same float, so the result is bitwise that
+of the formula above, with two fewer ops. The C kernel (ops/kernels.c) reads the plain `cos`/`sin` tables.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +17,25 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)  # [max_positions]
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.half = head_dim // 2
         self.cos = emb.cos()  # [max_positions, head_dim]
         self.sin = emb.sin()  # [max_positions, head_dim]
-        self.half = head_dim // 2
+        signs = torch.cat((-torch.ones(self.half), torch.ones(self.half)))  # [head_dim]
+        self.sin_signed = self.sin * signs  # [max_positions, head_dim]
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at each position: two [num_tokens, 1, head_dim] tensors."""
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin_signed[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
         return cos, sin
 
-    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim] -> the same shape, rotated."""
+        cos, sin_signed = cos_sin
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, kv_heads, head_dim]."""
-        cos, sin = cos_sin
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        return self.rotate(q, cos_sin), self.rotate(k, cos_sin)

@@ -40,7 +40,9 @@ class ModelRunner:
         sampling_chunks: list[ScheduledChunk] = []
         for chunk in ordered:
             req = chunk.request
-            token_ids.extend(req.token_ids[chunk.start_position : chunk.start_position + chunk.num_new_tokens])
+            token_ids.extend(
+                req.token_ids[chunk.start_position : chunk.start_position + chunk.num_new_tokens]
+            )
             if chunk.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_chunks.append(chunk)

@@ -36,7 +36,7 @@ def test_defaults_validate() -> None:
     assert cfg == KvrelayConfig()
     assert cfg.engine.block_size == 16
     assert cfg.limits.request_timeout_ms == 2_400_000
-    assert cfg.model.dtype == "bfloat16"
+    assert cfg.model.dtype == "auto"
 
 
 def test_example_config_validates() -> None:
@@ -151,7 +151,7 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
         ),
         ("engine:\n  block_size: 24\n", "engine.block_size: must be a power of two, got 24"),
         ("server:\n  port: 70000\n", "server.port: Input should be less than or equal to 65535"),
-        ("model:\n  dtype: float16\n", "model.dtype: Input should be 'float32' or 'bfloat16'"),
+        ("model:\n  dtype: float16\n", "model.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
     ],
 )
 def test_invalid_values_refused_naming_the_settings(tmp_path: Path, text: str, expected: str) -> None:

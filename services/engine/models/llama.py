@@ -1,12 +1,25 @@
 """The Llama family (SmolLM2, Llama 2/3 without RoPE scaling), written over the paged KV cache.
 
-Reads top to bottom: weights, then one decoder layer, then the whole forward. Q/K/V and gate/up
+Reads top to bottom: weights, one decoder layer in torch, the two forward paths. Q/K/V and gate/up
 projections are fused into one matmul each at load time; the math is the Hugging Face reference's.
+
+Weights are kept in the dtype the loader hands them over in; activations, the KV cache and every sum are
+in `dtype`. Two paths run the same math:
+
+- small steps (at most `small_step_max_tokens` tokens: decode batches, short chunks) run every layer in
+  one call into the C kernels of `services/engine/ops` when `dtype` is float32. They read the weights as
+  stored (bf16 weights: half the bytes of fp32, the cost of a decode step) and accumulate in fp32. Each
+  token's numbers are computed the same way whatever else is in the step.
+- other steps (prefill chunks) take `_torch_layer`: MKL/oneDNN matmuls and SDPA in `dtype`. With bf16
+  weights and fp32 compute they multiply an fp32 copy of the same bf16 values, so both paths use one set
+  of weights and differ only in fp32 rounding order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ctypes
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,41 +28,88 @@ import torch.nn.functional as F
 from services.common.errors import CorruptModelError
 from services.engine.attention import AttentionMetadata, paged_attention, write_kv
 from services.engine.models.config import ModelConfig
+from services.engine.ops import arena
+from services.engine.ops.build import load_cpu_kernels
+from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers
 from services.engine.rope import RotaryEmbedding
+
+# Steps up to this many tokens take the C kernels: on an AVX2 Zen 3 they beat MKL's fp32 GEMM up to
+# M = 64 to 96 tokens (docs/performance.md), so decode batches up to 64 stay on them.
+SMALL_STEP_MAX_TOKENS = 64
+# ...unless their prefill rows attend over long contexts: the kernel attends query by query and rereads
+# the context per query, where SDPA works in tiles (a 64-token chunk at position 4000: 40 ms a layer
+# against 12 ms). Decode rows always stay on the kernel: it beats a padded gather plus SDPA 5 to 6 times.
+SMALL_STEP_MAX_PREFILL_KEY_READS = 16384
+
+
+@dataclass
+class _KernelPointers:
+    """The C view of the layers for one set of KV caches, and the tensors it points into."""
+
+    caches: list[torch.Tensor]
+    layers: ctypes.Array[LlamaLayerPointers]
+    keep_alive: list[torch.Tensor]
 
 
 @dataclass
 class LlamaLayer:
     input_norm: torch.Tensor  # [hidden]
     qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
     o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
     gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
     down_proj: torch.Tensor  # [hidden, intermediate]
 
+    def to(self, dtype: torch.dtype) -> LlamaLayer:
+        """The same layer with every tensor in `dtype` (no copy where it already is)."""
+        return LlamaLayer(
+            input_norm=self.input_norm.to(dtype),
+            qkv_proj=self.qkv_proj.to(dtype),
+            qkv_bias=None if self.qkv_bias is None else self.qkv_bias.to(dtype),
+            o_proj=self.o_proj.to(dtype),
+            post_norm=self.post_norm.to(dtype),
+            gate_up_proj=self.gate_up_proj.to(dtype),
+            down_proj=self.down_proj.to(dtype),
+        )
+
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        *,
+        use_cpu_kernels: bool = True,
+        small_step_max_tokens: int = SMALL_STEP_MAX_TOKENS,
+    ) -> None:
         self.config = config
         self.dtype = dtype
+        self.small_step_max_tokens = small_step_max_tokens
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise CorruptModelError(f"weight {name!r} is missing from the safetensors files")
-            return weights[name].to(dtype).contiguous()
+            return weights[name].contiguous()
 
-        self.embed_tokens = take("model.embed_tokens.weight")  # [vocab, hidden]
-        self.norm = take("model.norm.weight")  # [hidden]
-        lm_head = weights.get("lm_head.weight")
-        use_embed = config.tie_word_embeddings or lm_head is None
-        self.lm_head = self.embed_tokens if use_embed else take("lm_head.weight")  # [vocab, hidden]
-        self.layers = [self._load_layer(take, weights, i) for i in range(config.num_layers)]
+        embed = take("model.embed_tokens.weight")  # [vocab, hidden], stored dtype
+        self.stored_dtype = embed.dtype
+        self.norm = take("model.norm.weight").to(dtype)  # [hidden]
+        is_tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        layers = [self._load_layer(take, i) for i in range(config.num_layers)]
+        lm_head = embed if is_tied else take("lm_head.weight")  # [vocab, hidden]
+        self.stored_layers, self.lm_head_stored = _pack_streamed_weights(layers, lm_head)
+        self.embed_tokens = self.lm_head_stored if is_tied else embed  # [vocab, hidden]
+        self.lm_head = self.lm_head_stored.to(dtype)  # [vocab, hidden]
+        self.layers = [layer.to(dtype) for layer in self.stored_layers]
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        self.kernels = load_cpu_kernels() if use_cpu_kernels and self._kernels_fit() else None
+        self._pointers: _KernelPointers | None = None
 
-    def _load_layer(self, take, weights: Mapping[str, torch.Tensor], i: int) -> LlamaLayer:
+    def _load_layer(self, take: Callable[[str], torch.Tensor], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
         qkv = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
         bias = None
@@ -65,27 +125,21 @@ class LlamaModel:
             down_proj=take(p + "mlp.down_proj.weight"),
         )
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
-
-    def _layer(
-        self, layer: LlamaLayer, h: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, cos_sin
-    ) -> torch.Tensor:
+    def _kernels_fit(self) -> bool:
         cfg = self.config
-        num_tokens = h.shape[0]
-        x = self._rms_norm(h, layer.input_norm)  # [num_tokens, hidden]
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [num_tokens, kv_heads, head_dim]
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [num_tokens, kv_heads, head_dim]
-        q, k = self.rope.apply(q, k, cos_sin)
-        write_kv(cache, meta.slot_mapping, k, v)
-        attn = paged_attention(q, cache, meta)  # [num_tokens, num_heads, head_dim]
-        h = h + F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
-        x = self._rms_norm(h, layer.post_norm)
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return h + F.linear(F.silu(gate) * up, layer.down_proj)  # [num_tokens, hidden]
+        sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, self.q_size)
+        formats = self.dtype == torch.float32 and self.stored_dtype in (torch.float32, torch.bfloat16)
+        grouped = cfg.num_heads % cfg.num_kv_heads == 0
+        return formats and grouped and all(size % 8 == 0 for size in sizes)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every distinct weight tensor held: stored weights plus compute-dtype copies."""
+        tensors = [self.embed_tokens, self.lm_head_stored, self.lm_head, self.norm]
+        for layer in (*self.stored_layers, *self.layers):
+            tensors += [t for t in vars(layer).values() if t is not None]
+        unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        return sum(unique.values())
 
     @torch.inference_mode()
     def forward(
@@ -96,9 +150,132 @@ class LlamaModel:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """token_ids: [num_tokens]; returns float32 logits [len(logits_indices), vocab]."""
-        h = F.embedding(token_ids, self.embed_tokens)  # [num_tokens, hidden]
+        kernels = self.kernels
+        is_small = meta.num_tokens <= self.small_step_max_tokens
+        if (
+            kernels is not None
+            and is_small
+            and meta.num_prefill_key_reads <= SMALL_STEP_MAX_PREFILL_KEY_READS
+        ):
+            h = self._kernel_forward(kernels, token_ids, kv_caches, meta)  # [num_tokens, hidden]
+        else:
+            h = self._torch_forward(token_ids, kv_caches, meta)  # [num_tokens, hidden]
+        h = h[logits_indices]  # [num_samples, hidden]
+        if kernels is None or h.shape[0] > self.small_step_max_tokens:
+            return F.linear(self._rms_norm(h, self.norm), self.lm_head).float()  # [num_samples, vocab]
+        x = torch.empty_like(h)  # [num_samples, hidden]
+        kernels.rms_norm(h, self.norm, x, self.config.rms_norm_eps)
+        logits = h.new_empty(h.shape[0], self.lm_head_stored.shape[0])  # [num_samples, vocab]
+        kernels.linear(x, self.lm_head_stored, logits)
+        return logits
+
+    # -- the torch path -----------------------------------------------------------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Hugging Face's LlamaRMSNorm op for op: normalize in fp32, round to x's dtype, then scale. In bf16
+        this rounding order decides near-ties (F.rms_norm's single rounding flipped "The capital..." to
+        "L'Étoile..." on the chat prompt "What is the capital of France?"), so we keep the reference's."""
+        xf = x.float()  # [num_tokens, hidden]
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)  # [num_tokens, hidden]
+
+    def _torch_layer(
+        self,
+        layer: LlamaLayer,
+        h: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = h.shape[0]
+        x = self._rms_norm(h, layer.input_norm)  # [num_tokens, hidden]
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        heads, kv_heads, qk_size = cfg.num_heads, cfg.num_kv_heads, self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, heads + kv_heads, -1)  # [num_tokens, heads + kv_heads, hd]
+        q, k = self.rope.rotate(qk, cos_sin).split([heads, kv_heads], dim=1)  # q and k rotated at once
+        v = qkv[:, qk_size:].view(num_tokens, kv_heads, -1)  # [num_tokens, kv_heads, head_dim]
+        write_kv(cache, meta.slot_mapping, k, v)
+        attn = paged_attention(q, k, v, cache, meta)  # [num_tokens, num_heads, head_dim]
+        h = h + F.linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)  # [num_tokens, hidden]
+        x = self._rms_norm(h, layer.post_norm)  # [num_tokens, hidden]
+        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return h + F.linear(F.silu(gate) * up, layer.down_proj)  # [num_tokens, hidden]
+
+    def _torch_forward(
+        self, token_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = F.embedding(token_ids, self.embed_tokens).to(self.dtype)  # [num_tokens, hidden]
         cos_sin = self.rope.lookup(meta.positions, self.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            h = self._layer(layer, h, cache, meta, cos_sin)
-        h = self._rms_norm(h[logits_indices], self.norm)  # [num_samples, hidden]
-        return F.linear(h, self.lm_head).float()  # [num_samples, vocab]
+            h = self._torch_layer(layer, h, cache, meta, cos_sin)
+        return h
+
+    # -- the kernel path ----------------------------------------------------------------------------
+
+    def _kernel_forward(
+        self,
+        kernels: CpuKernels,
+        token_ids: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = F.embedding(token_ids, self.embed_tokens).float()  # [num_tokens, hidden]
+        kernels.llama_layers(
+            self._dims(meta.block_size),
+            self._layer_pointers(kv_caches),
+            h,
+            meta.positions,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.token_rows,
+            meta.max_context_len,
+        )
+        return h
+
+    def _dims(self, block_size: int) -> LlamaDims:
+        cfg = self.config
+        return LlamaDims(
+            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            block_size, cfg.rms_norm_eps, int(self.stored_dtype == torch.bfloat16),
+            self.rope.cos.data_ptr(), self.rope.sin.data_ptr(),
+        )  # fmt: skip
+
+    def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array[LlamaLayerPointers]:
+        """Pointers into the stored weights (norms in fp32) and these caches, rebuilt when caches change."""
+        known = self._pointers
+        if known is not None and _same_tensors(known.caches, kv_caches):
+            return known.layers
+        for cache in kv_caches:
+            if cache.dtype != torch.float32 or not cache.is_contiguous():
+                raise ValueError("the kernel path needs contiguous float32 KV caches")
+        array = (LlamaLayerPointers * len(kv_caches))()
+        keep_alive: list[torch.Tensor] = []
+        for i, (s, cache) in enumerate(zip(self.stored_layers, kv_caches, strict=True)):
+            norms = (s.input_norm.float(), s.post_norm.float())  # [hidden] each
+            bias = None if s.qkv_bias is None else s.qkv_bias.float()  # [qkv_size]
+            keep_alive += [*norms, *([] if bias is None else [bias])]
+            array[i] = LlamaLayerPointers(
+                s.qkv_proj.data_ptr(), s.o_proj.data_ptr(), s.gate_up_proj.data_ptr(), s.down_proj.data_ptr(),
+                None if bias is None else bias.data_ptr(), norms[0].data_ptr(), norms[1].data_ptr(),
+                cache.data_ptr(),
+            )  # fmt: skip
+        self._pointers = _KernelPointers(list(kv_caches), array, keep_alive)
+        return array
+
+
+def _pack_streamed_weights(
+    layers: list[LlamaLayer], lm_head: torch.Tensor
+) -> tuple[list[LlamaLayer], torch.Tensor]:
+    """The matrices every decode step reads, moved into one huge-page buffer (ops/arena.py)."""
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    packed = arena.pack([getattr(layer, n) for layer in layers for n in names] + [lm_head])
+    out = [
+        dataclasses.replace(layer, **dict(zip(names, packed[4 * i : 4 * i + 4], strict=True)))
+        for i, layer in enumerate(layers)
+    ]
+    return out, packed[-1]
+
+
+def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

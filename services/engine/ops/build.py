@@ -64,7 +64,11 @@ def _build(compiler: str, cache_dir: Path) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120
+            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         os.replace(tmp, target)
     finally:

@@ -15,9 +15,47 @@ _I = ctypes.c_int64
 _C = ctypes.c_int
 _F = ctypes.c_float
 
+
+class LlamaDims(ctypes.Structure):
+    """kr_dims in kernels.c: one Llama model's shape, weight format and rotary tables."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("weights_bf16", ctypes.c_int32),
+        ("cos_table", ctypes.c_void_p),
+        ("sin_table", ctypes.c_void_p),
+    ]
+
+
+class LlamaLayerPointers(ctypes.Structure):
+    """kr_layer in kernels.c: where one decoder layer's weights and KV cache live."""
+
+    _fields_ = [
+        ("qkv_proj", ctypes.c_void_p),
+        ("o_proj", ctypes.c_void_p),
+        ("gate_up_proj", ctypes.c_void_p),
+        ("down_proj", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("cache", ctypes.c_void_p),
+    ]
+
+
+_DIMS = ctypes.POINTER(LlamaDims)
+_LAYERS = ctypes.POINTER(LlamaLayerPointers)
+
 _SIGNATURES: dict[str, list[type]] = {
+    "kr_llama_work_floats": [_DIMS, _I, _I, _C],
+    "kr_llama_layers": [_DIMS, _LAYERS, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _C],
     "kr_rms_norm": [_P, _I, _P, _P, _I, _I, _I, _F],
-    "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _C],
+    "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _P, _C],
     "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
     "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P],
     "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _F, _P, _I, _C],
@@ -27,7 +65,9 @@ _SIGNATURES: dict[str, list[type]] = {
 def _rows(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
     """Row stride of a 2-D tensor whose rows are contiguous; raises on any other layout."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype != dtype or x.device.type != "cpu":
-        raise ValueError(f"expected a row-contiguous 2-D {dtype} CPU tensor, got {x.dtype} {tuple(x.stride())}")
+        raise ValueError(
+            f"expected a row-contiguous 2-D {dtype} CPU tensor, got {x.dtype} {tuple(x.stride())}"
+        )
     return x.stride(0)
 
 
@@ -45,23 +85,62 @@ class CpuKernels:
             fn = getattr(library, name)
             fn.argtypes = argtypes
             fn.restype = None
+        library.kr_llama_work_floats.restype = ctypes.c_int64
+
+    def llama_layers(
+        self,
+        dims: LlamaDims,
+        layers: ctypes.Array[LlamaLayerPointers],
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        token_rows: torch.Tensor,
+        max_context_len: int,
+    ) -> None:
+        """Run every decoder layer on the residual stream h [M, hidden] in place (kr_llama_layers).
+
+        positions, slot_mapping, token_rows: [M]; block_tables [num_rows, max_blocks]; every position is
+        below max_context_len. The layers' weights and caches are the ones `layers` points at.
+        """
+        _flat(h, torch.float32)
+        for t in (positions, slot_mapping, block_tables, token_rows):
+            _flat(t, torch.int64)
+        num_tokens, num_threads = h.shape[0], torch.get_num_threads()
+        ld_scores = max_context_len + 8
+        work = torch.empty(
+            self._lib.kr_llama_work_floats(dims, num_tokens, ld_scores, num_threads)
+        )  # [floats]
+        self._lib.kr_llama_layers(
+            dims, layers, len(layers), h.data_ptr(), num_tokens, positions.data_ptr(),
+            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(),
+            work.data_ptr(), ld_scores, num_threads,
+        )  # fmt: skip
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
         """out [M, K] = RMSNorm(x [M, K]) * weight [K]."""
         _flat(weight, torch.float32)
         ldx, ldo = _rows(x), _rows(out)
-        self._lib.kr_rms_norm(x.data_ptr(), ldx, weight.data_ptr(), out.data_ptr(), ldo, x.shape[0], x.shape[1], eps)
+        self._lib.kr_rms_norm(
+            x.data_ptr(), ldx, weight.data_ptr(), out.data_ptr(), ldo, x.shape[0], x.shape[1], eps
+        )
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, accumulate: bool = False
+    ) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T, or out += that. weight is fp32 or bf16; K % 8 == 0."""
         num_out, k = weight.shape
         if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or k % 8:
             raise ValueError(f"weight must be contiguous fp32/bf16 with K % 8 == 0, got {weight.dtype} {k}")
         if x.shape[1] != k or out.shape != (x.shape[0], num_out):
-            raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+            raise ValueError(
+                f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
+            )
+        is_bf16 = weight.dtype == torch.bfloat16
+        xbuf = torch.empty(x.shape[0] * k if is_bf16 else 0)  # [M * K] scratch for the bf16 layout
         self._lib.kr_linear(
-            x.data_ptr(), _rows(x), weight.data_ptr(), int(weight.dtype == torch.bfloat16),
-            out.data_ptr(), _rows(out), x.shape[0], num_out, k, int(accumulate), torch.get_num_threads(),
+            x.data_ptr(), _rows(x), weight.data_ptr(), int(is_bf16), out.data_ptr(), _rows(out),
+            x.shape[0], num_out, k, int(accumulate), xbuf.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -70,7 +149,9 @@ class CpuKernels:
         if gate_up.shape != (out.shape[0], 2 * inter):
             raise ValueError(f"gate_up {tuple(gate_up.shape)} does not match out {tuple(out.shape)}")
         ldg, ldo = _rows(gate_up), _rows(out)
-        self._lib.kr_silu_mul(gate_up.data_ptr(), ldg, out.data_ptr(), ldo, out.shape[0], inter, torch.get_num_threads())
+        self._lib.kr_silu_mul(
+            gate_up.data_ptr(), ldg, out.data_ptr(), ldo, out.shape[0], inter, torch.get_num_threads()
+        )
 
     def rope_write_kv(
         self,

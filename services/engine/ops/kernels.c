@@ -1,8 +1,10 @@
 /* kvrelay CPU kernels for small steps (decode): AVX2 + FMA, fp32 activations, fp32 or bf16 weights.
  *
  * Built at first use by services/engine/ops/build.py (gcc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp)
- * and called through ctypes from services/engine/ops/cpu.py. Each entry point has a torch reference in
- * services/engine/ops/reference.py, and tests/unit/test_ops_cpu.py checks that they agree.
+ * and called through ctypes from services/engine/ops/cpu.py. Each op has a torch twin that tests compare
+ * it with: ops/reference.py (tests/unit/test_ops_cpu.py), attention.reference_attention
+ * (tests/unit/test_attention.py), and for kr_llama_layers the model's torch path
+ * (tests/unit/test_ops_llama_layers.py).
  *
  * Layouts (row-major, strides in elements):
  *   activations x [M, ldx], weights w [N, K] (bf16 as raw uint16 or fp32), outputs y [M, ldy];
@@ -25,14 +27,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 load_w(const void *w, int64_t i, const int is_bf16) {
-    if (is_bf16) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-    }
-    return _mm256_loadu_ps((const float *)w + i);
-}
-
 /* exp(x) for 8 lanes: Cephes-style range reduction and degree-5 polynomial, relative error ~2e-7. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
@@ -51,11 +45,15 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* Dot products of one weight row with MB activation rows. Chunk c of 8 lanes always goes to accumulator
- * c % 2 and the result is hsum(a0 + a1), for every MB: the order does not depend on the batch. */
+/* Dot products of one weight row with MB activation rows, over 16 weights per step: half of the products
+ * go to accumulator a0 and half to a1 (fp32: elements 0-7 and 8-15; bf16: even and odd elements), and the
+ * result is hsum(a0 + a1) for every MB, so the order of the sums does not depend on the batch. bf16 rows are read 16 at a time and split into their even and odd
+ * elements with one shift and one mask (cheaper than widening 8 at a time); x must then be given with
+ * each 16-block reordered as [even elements | odd elements] (see permute_even_odd). */
 static inline __attribute__((always_inline)) void row_dot(const float *x, int64_t ldx, const int MB,
                                                           const void *w, int64_t K, const int is_bf16,
                                                           float *out) {
+    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
     __m256 a0[TILE_M], a1[TILE_M];
     for (int m = 0; m < MB; m++) {
         a0[m] = _mm256_setzero_ps();
@@ -63,14 +61,32 @@ static inline __attribute__((always_inline)) void row_dot(const float *x, int64_
     }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        __m256 w0 = load_w(w, k, is_bf16), w1 = load_w(w, k + 8, is_bf16);
+        __m256 w0, w1;
+        if (is_bf16) {
+            const uint16_t *p = (const uint16_t *)w + k;
+            _mm_prefetch((const char *)p + 256, _MM_HINT_T0);
+            __m256i v = _mm256_loadu_si256((const __m256i *)p);
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
+        } else {
+            const float *p = (const float *)w + k;
+            _mm_prefetch((const char *)p + 512, _MM_HINT_T0);
+            w0 = _mm256_loadu_ps(p);
+            w1 = _mm256_loadu_ps(p + 8);
+        }
         for (int m = 0; m < MB; m++) {
             a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
             a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), a1[m]);
         }
     }
-    if (k < K) {
-        __m256 w0 = load_w(w, k, is_bf16);
+    if (k < K) { /* K % 16 == 8: one last block of 8, in natural order */
+        __m256 w0;
+        if (is_bf16) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+        } else {
+            w0 = _mm256_loadu_ps((const float *)w + k);
+        }
         for (int m = 0; m < MB; m++) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
     }
     for (int m = 0; m < MB; m++) out[m] = hsum8(_mm256_add_ps(a0[m], a1[m]));
@@ -87,32 +103,59 @@ static inline __attribute__((always_inline)) void row_dot_any(const float *x, in
     }
 }
 
-/* xn[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, the RMSNorm of Llama. */
+/* xp [M, K] = x [M, ldx] with each full 16-block reordered as [elements 0, 2, .., 14 | 1, 3, .., 15]. */
+static void permute_even_odd(const float *x, int64_t ldx, float *xp, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * ldx;
+        float *dst = xp + m * K;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m256 lo = _mm256_loadu_ps(src + k), hi = _mm256_loadu_ps(src + k + 8);
+            __m256 even = _mm256_shuffle_ps(lo, hi, 0x88), odd = _mm256_shuffle_ps(lo, hi, 0xDD);
+            _mm256_storeu_ps(dst + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+            _mm256_storeu_ps(dst + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+        }
+        for (; k < K; k++) dst[k] = src[k];
+    }
+}
+
+/* xn[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, the RMSNorm of Llama. K % 8 == 0. */
 void kr_rms_norm(const float *x, int64_t ldx, const float *weight, float *xn, int64_t ldn, int64_t M,
                  int64_t K, float eps) {
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * ldx;
-        double sum = 0.0;
-        for (int64_t k = 0; k < K; k++) sum += (double)row[k] * row[k];
-        float inv = 1.0f / sqrtf((float)(sum / (double)K) + eps);
-        for (int64_t k = 0; k < K; k++) xn[m * ldn + k] = (row[k] * inv) * weight[k];
+        float *dst = xn + m * ldn;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_loadu_ps(row + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)K + eps));
+        for (int64_t k = 0; k < K; k += 8)
+            _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + k), inv),
+                                                    _mm256_loadu_ps(weight + k)));
     }
 }
 
 /* y[m, n] = sum_k x[m, k] * w[n, k] (accumulate = 0), or y[m, n] += that sum (accumulate = 1).
- * K must be a multiple of 8. Threads split the rows of w, so each thread streams one contiguous range. */
+ * K must be a multiple of 8; xbuf holds M * K floats of scratch when w is bf16 (else unused).
+ * Threads split the rows of w, so each thread streams one contiguous range of the weights. */
 void kr_linear(const float *x, int64_t ldx, const void *w, int w_bf16, float *y, int64_t ldy, int64_t M,
-               int64_t N, int64_t K, int accumulate, int num_threads) {
+               int64_t N, int64_t K, int accumulate, float *xbuf, int num_threads) {
+    if (w_bf16) {
+        permute_even_odd(x, ldx, xbuf, M, K);
+        x = xbuf;
+        ldx = K;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const void *row = w_bf16 ? (const void *)((const uint16_t *)w + n * K) : (const void *)((const float *)w + n * K);
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
             float dots[TILE_M];
             int mb = (int)(M - m0 < TILE_M ? M - m0 : TILE_M);
             if (w_bf16)
-                row_dot_any(x + m0 * ldx, ldx, mb, row, K, 1, dots);
+                row_dot_any(x + m0 * ldx, ldx, mb, (const uint16_t *)w + n * K, K, 1, dots);
             else
-                row_dot_any(x + m0 * ldx, ldx, mb, row, K, 0, dots);
+                row_dot_any(x + m0 * ldx, ldx, mb, (const float *)w + n * K, K, 0, dots);
             for (int m = 0; m < mb; m++) {
                 float *dst = y + (m0 + m) * ldy + n;
                 *dst = accumulate ? *dst + dots[m] : dots[m];
@@ -162,20 +205,40 @@ void kr_rope_write_kv(float *qkv, int64_t ldq, int64_t M, int num_heads, int num
     }
 }
 
-/* One query head of one token attends to its sequence's keys 0..position (causal), read through the
- * block table. scores is scratch of at least position + 1 floats. */
+/* The dot products of q with 8 keys k, k + stride, .., k + 7 * stride, as one vector: eight running sums,
+ * then a transpose-and-add tree instead of eight horizontal sums. */
+static inline __m256 dot8(const float *q, const float *k, int64_t stride, int head_dim) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * stride + d), acc[i]);
+    }
+    __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+    __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+    __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67); /* per 128-bit half: keys 0-3, 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* One query head of one token attends to its sequence's keys 0..ctx-1 (causal), read through the block
+ * table one block at a time. scores is scratch of at least ctx floats. */
 static void attend_one(const float *q, float *out, int head_dim, const float *cache, int64_t kv_stride,
                        int64_t v_offset, const int64_t *block_table, int64_t block_size, int64_t ctx,
                        float scale, float *scores) {
-    float max_score = -INFINITY;
-    for (int64_t j = 0; j < ctx; j++) {
-        const float *k = cache + (block_table[j / block_size] * block_size + j % block_size) * kv_stride;
-        __m256 acc = _mm256_setzero_ps();
-        for (int d = 0; d < head_dim; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-        scores[j] = hsum8(acc) * scale;
-        if (scores[j] > max_score) max_score = scores[j];
+    for (int64_t b = 0, j = 0; j < ctx; b++) {
+        const float *k = cache + block_table[b] * block_size * kv_stride;
+        int64_t o = 0;
+        for (; o + 8 <= block_size && j + 8 <= ctx; o += 8, j += 8, k += 8 * kv_stride)
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, k, kv_stride, head_dim), _mm256_set1_ps(scale)));
+        for (; o < block_size && j < ctx; o++, j++, k += kv_stride) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+            scores[j] = hsum8(acc) * scale;
+        }
     }
+    float max_score = -INFINITY;
+    for (int64_t i = 0; i < ctx; i++) max_score = scores[i] > max_score ? scores[i] : max_score;
     __m256 vmax = _mm256_set1_ps(max_score), vsum = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= ctx; j += 8) {
@@ -190,15 +253,16 @@ static void attend_one(const float *q, float *out, int head_dim, const float *ca
     }
     for (int d0 = 0; d0 < head_dim; d0 += 32) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        int width = head_dim - d0 < 32 ? head_dim - d0 : 32;
-        for (int64_t i = 0; i < ctx; i++) {
-            const float *v = cache + (block_table[i / block_size] * block_size + i % block_size) * kv_stride
-                             + v_offset + d0;
-            __m256 p = _mm256_set1_ps(scores[i]);
-            for (int c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        int num_chunks = (head_dim - d0 < 32 ? head_dim - d0 : 32) / 8;
+        for (int64_t b = 0, i = 0; i < ctx; b++) {
+            const float *v = cache + block_table[b] * block_size * kv_stride + v_offset + d0;
+            for (int64_t o = 0; o < block_size && i < ctx; o++, i++, v += kv_stride) {
+                __m256 p = _mm256_set1_ps(scores[i]);
+                for (int c = 0; c < num_chunks; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            }
         }
         __m256 inv = _mm256_set1_ps(1.0f / sum);
-        for (int c = 0; c < width / 8; c++) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
+        for (int c = 0; c < num_chunks; c++) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
     }
 }
 
@@ -223,5 +287,63 @@ void kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, in
                        cache + (int64_t)g * head_dim, kv_stride, (int64_t)num_kv_heads * head_dim,
                        block_tables + token_rows[t] * ld_bt, block_size, positions[t] + 1, scale, scores);
         }
+    }
+}
+
+/* One Llama model's shape and its per-layer tensors, mirrored by ctypes structures in cpu.py. */
+typedef struct {
+    int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
+    float eps;
+    int32_t weights_bf16;
+    const float *cos_table, *sin_table; /* [max_positions, head_dim] */
+} kr_dims;
+
+typedef struct {
+    const void *qkv_proj, *o_proj, *gate_up_proj, *down_proj; /* [N, K], bf16 or fp32 as weights_bf16 says */
+    const float *qkv_bias;                                     /* [qkv_size] or NULL */
+    const float *input_norm, *post_norm;                       /* [hidden] */
+    float *cache;                                              /* [num_slots, 2, num_kv_heads, head_dim] */
+} kr_layer;
+
+/* Floats of scratch that kr_llama_layers needs for M tokens. */
+int64_t kr_llama_work_floats(const kr_dims *d, int64_t M, int64_t ld_scores, int num_threads) {
+    int64_t q = d->num_heads * d->head_dim, kv = d->num_kv_heads * d->head_dim;
+    int64_t widest = d->hidden > d->intermediate ? d->hidden : d->intermediate;
+    widest = widest > q ? widest : q;
+    return M * (d->hidden + q + 2 * kv + q + 3 * d->intermediate + widest) + (int64_t)num_threads * ld_scores;
+}
+
+/* Every decoder layer for M tokens, in place on the residual stream h [M, hidden]. The same math, op for
+ * op, as LlamaModel._torch_layer: RMSNorm, qkv, RoPE, KV write, attention, o_proj, RMSNorm, gate_up,
+ * SiLU * up, down. ld_scores > every position. */
+void kr_llama_layers(const kr_dims *d, const kr_layer *layers, int64_t num_layers, float *h, int64_t M,
+                     const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                     int64_t ld_bt, const int64_t *token_rows, float *work, int64_t ld_scores,
+                     int num_threads) {
+    const int64_t H = d->hidden, I = d->intermediate, nh = d->num_heads, nkv = d->num_kv_heads;
+    const int64_t q_size = nh * d->head_dim, qkv_size = q_size + 2 * nkv * d->head_dim;
+    const int wb = d->weights_bf16;
+    const float scale = 1.0f / sqrtf((float)d->head_dim);
+    float *x = work, *qkv = x + M * H, *attn = qkv + M * qkv_size, *gu = attn + M * q_size;
+    float *act = gu + M * 2 * I, *xbuf = act + M * I;
+    int64_t widest = H > I ? H : I;
+    float *scores = xbuf + M * (widest > q_size ? widest : q_size);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const kr_layer *L = layers + l;
+        kr_rms_norm(h, H, L->input_norm, x, H, M, H, d->eps);
+        kr_linear(x, H, L->qkv_proj, wb, qkv, qkv_size, M, qkv_size, H, 0, xbuf, num_threads);
+        if (L->qkv_bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t i = 0; i < qkv_size; i++) qkv[m * qkv_size + i] += L->qkv_bias[i];
+        kr_rope_write_kv(qkv, qkv_size, M, (int)nh, (int)nkv, (int)d->head_dim, positions, d->cos_table,
+                         d->sin_table, L->cache, slots);
+        kr_paged_attention(qkv, qkv_size, attn, q_size, M, (int)nh, (int)nkv, (int)d->head_dim, L->cache,
+                           block_tables, ld_bt, token_rows, positions, d->block_size, scale, scores,
+                           ld_scores, num_threads);
+        kr_linear(attn, q_size, L->o_proj, wb, h, H, M, H, q_size, 1, xbuf, num_threads);
+        kr_rms_norm(h, H, L->post_norm, x, H, M, H, d->eps);
+        kr_linear(x, H, L->gate_up_proj, wb, gu, 2 * I, M, 2 * I, H, 0, xbuf, num_threads);
+        kr_silu_mul(gu, 2 * I, act, I, M, I, num_threads);
+        kr_linear(act, I, L->down_proj, wb, h, H, M, H, I, 1, xbuf, num_threads);
     }
 }

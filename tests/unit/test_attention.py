@@ -1,0 +1,136 @@
+"""Both fast attention paths (torch SDPA and the C kernel) against `reference_attention`, on random caches
+with shuffled block tables, mixed decode and prefill rows, prefix rows and GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.attention import RowSpec, build_metadata, paged_attention, reference_attention, write_kv
+from services.engine.ops.build import load_cpu_kernels
+from services.engine.ops.cpu import CpuKernels
+
+BLOCK_SIZE = 4
+TOL = 1e-5
+
+
+def make_rows(
+    specs: list[tuple[int, int]], num_blocks: int, generator: torch.Generator
+) -> tuple[list[RowSpec], list[RowSpec]]:
+    """(start_position, num_new_tokens) per row -> decode rows, prefill rows over shuffled block ids."""
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    decode, prefill = [], []
+    for start, num_new in specs:
+        num_row_blocks = -(-(start + num_new) // BLOCK_SIZE) + 1  # one spare block, as a running row has
+        block_ids = [free.pop() for _ in range(num_row_blocks)]
+        (decode if num_new == 1 else prefill).append(RowSpec(block_ids, start, num_new))
+    return decode, prefill
+
+
+def setup_step(
+    specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int = 16, seed: int = 0
+) -> tuple[list[RowSpec], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows in flat order, q [tokens, heads, hd], new k/v [tokens, kv_heads, hd], and a cache holding
+    random old context plus the new k/v already written."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    decode, prefill = make_rows(specs, num_blocks, g)
+    rows = decode + prefill
+    num_tokens = sum(r.num_new_tokens for r in rows)
+    shape = (num_blocks * BLOCK_SIZE, 2, num_kv_heads, head_dim)
+    cache = torch.randn(*shape, generator=g)  # [slots, 2, kv_heads, head_dim]
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g)  # [tokens, heads, hd]
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # [tokens, kvh, hd]
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # [tokens, kvh, hd]
+    meta = build_metadata(decode, prefill, BLOCK_SIZE)
+    write_kv(cache, meta.slot_mapping, k, v)
+    return rows, q, k, v, cache
+
+
+CASES = {
+    "decode-only": [(5, 1), (17, 1), (1, 1), (9, 1)],
+    "fresh-prefills": [(0, 7), (0, 3), (0, 12)],
+    "mixed-decode-prefill-prefix": [(11, 1), (3, 1), (0, 9), (8, 6), (13, 1), (4, 2)],
+    "lone-fresh-prompt": [(0, 19)],
+    "lone-prefix-chunk": [(12, 9)],
+}
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    loaded = load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("the C kernels cannot be built on this machine (no AVX2/FMA or no C compiler)")
+    return loaded
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
+def test_torch_path_matches_reference(case: str, num_heads: int, num_kv_heads: int) -> None:
+    rows, q, k, v, cache = setup_step(CASES[case], num_heads, num_kv_heads)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
+    got = paged_attention(q, k, v, cache, meta)
+    want = reference_attention(q, cache, rows, BLOCK_SIZE)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (9, 3)])
+def test_kernel_matches_reference(kernels: CpuKernels, case: str, num_heads: int, num_kv_heads: int) -> None:
+    head_dim = 64 if num_heads == 9 else 16
+    rows, q, _, _, cache = setup_step(CASES[case], num_heads, num_kv_heads, head_dim)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
+    flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
+    out = torch.empty_like(flat_q)  # [tokens, heads * hd]
+    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
+    kernels.paged_attention(
+        flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
+        meta.max_context_len, scratch,
+    )  # fmt: skip
+    want = reference_attention(q, cache, rows, BLOCK_SIZE)
+    torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)
+
+
+def test_kernel_gives_a_token_the_same_bits_alone_and_in_a_batch(kernels: CpuKernels) -> None:
+    rows, q, _, _, cache = setup_step(CASES["mixed-decode-prefill-prefix"], 6, 2)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
+
+    def run(step_decode: list[RowSpec], step_prefill: list[RowSpec], step_q: torch.Tensor) -> torch.Tensor:
+        meta = build_metadata(step_decode, step_prefill, BLOCK_SIZE)
+        out = torch.empty_like(step_q)  # [tokens, heads * hd]
+        scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
+        kernels.paged_attention(
+            step_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
+            meta.max_context_len, scratch,
+        )  # fmt: skip
+        return out
+
+    batched = run(decode, rows[len(decode) :], flat_q)
+    alone = run([decode[1]], [], flat_q[1:2])
+    assert torch.equal(batched[1:2], alone)
+
+
+def test_metadata_maps_each_token_to_its_block_slot() -> None:
+    rows = [RowSpec([7, 2], 5, 1), RowSpec([3, 9, 4], 2, 7)]
+    meta = build_metadata(rows[:1], rows[1:], BLOCK_SIZE)
+    assert meta.positions.tolist() == [5, 2, 3, 4, 5, 6, 7, 8]
+    # block_id * 4 + offset: row 0 at position 5 -> block 2; row 1 at 2..8 -> blocks 3, 9, 4
+    assert meta.slot_mapping.tolist() == [9, 14, 15, 36, 37, 38, 39, 16]
+    assert meta.token_rows.tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert meta.block_tables.tolist() == [[7, 2, 0], [3, 9, 4]]
+    assert meta.max_context_len == 9
+    assert not meta.is_fresh_prompt
+    assert build_metadata([], [RowSpec([1], 0, 3)], BLOCK_SIZE).is_fresh_prompt
+
+
+def test_write_kv_stores_k_and_v_at_their_slots() -> None:
+    cache = torch.zeros(8, 2, 2, 4)  # [slots, 2, kvh, hd]
+    k = torch.randn(3, 2, 4)  # [tokens, kvh, hd]
+    v = torch.randn(3, 2, 4)  # [tokens, kvh, hd]
+    write_kv(cache, torch.tensor([6, 0, 3]), k, v)
+    for i, slot in enumerate([6, 0, 3]):
+        assert torch.equal(cache[slot, 0], k[i]) and torch.equal(cache[slot, 1], v[i])
+    assert cache[[1, 2, 4, 5, 7]].abs().sum() == 0

@@ -1,0 +1,111 @@
+"""The C kernels against their torch twins in ops/reference.py, and their batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.ops import reference
+from services.engine.ops.build import load_cpu_kernels
+from services.engine.ops.cpu import CpuKernels
+from services.engine.rope import RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    loaded = load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("the C kernels cannot be built on this machine (no AVX2/FMA or no C compiler)")
+    return loaded
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("in_features", [64, 72, 576])
+def test_linear_matches_reference(
+    kernels: CpuKernels, weight_dtype: torch.dtype, num_tokens: int, in_features: int
+) -> None:
+    x = randn(num_tokens, in_features, seed=1)  # [M, K]
+    weight = (randn(37, in_features, seed=2) * 0.1).to(weight_dtype)  # [N, K]
+    out = torch.empty(num_tokens, 37)  # [M, N]
+    kernels.linear(x, weight, out)
+    torch.testing.assert_close(out, reference.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_linear_accumulates_into_out_and_reads_strided_rows(
+    kernels: CpuKernels, weight_dtype: torch.dtype
+) -> None:
+    wide = randn(6, 200, seed=3)  # [M, 200]: x is a column slice with row stride 200
+    x = wide[:, 8:136]  # [M, 128]
+    weight = (randn(50, 128, seed=4) * 0.1).to(weight_dtype)  # [N, K]
+    residual = randn(6, 50, seed=5)  # [M, N]
+    out = residual.clone()  # [M, N]
+    kernels.linear(x, weight, out, accumulate=True)
+    torch.testing.assert_close(out, residual + reference.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_linear_gives_a_token_the_same_bits_alone_and_in_a_batch(
+    kernels: CpuKernels, weight_dtype: torch.dtype
+) -> None:
+    x = randn(11, 576, seed=6)  # [M, K]
+    weight = (randn(300, 576, seed=7) * 0.1).to(weight_dtype)  # [N, K]
+    batched = torch.empty(11, 300)  # [M, N]
+    kernels.linear(x, weight, batched)
+    for i in range(11):
+        alone = torch.empty(1, 300)  # [1, N]
+        kernels.linear(x[i : i + 1], weight, alone)
+        assert torch.equal(alone[0], batched[i]), f"token {i} differs"
+
+
+def test_linear_refuses_mismatched_shapes(kernels: CpuKernels) -> None:
+    with pytest.raises(ValueError, match="shape mismatch"):
+        kernels.linear(randn(2, 64), randn(8, 64), torch.empty(3, 8))
+    with pytest.raises(ValueError, match="K % 8"):
+        kernels.linear(randn(2, 12), randn(8, 12), torch.empty(2, 8))
+
+
+def test_rms_norm_matches_reference(kernels: CpuKernels) -> None:
+    x = randn(5, 576, seed=8) * 3  # [M, K]
+    weight = randn(576, seed=9)  # [K]
+    out = torch.empty(5, 576)  # [M, K]
+    kernels.rms_norm(x, weight, out, 1e-5)
+    torch.testing.assert_close(out, reference.rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul_matches_reference(kernels: CpuKernels) -> None:
+    gate_up = randn(4, 2 * 100, seed=10) * 4  # [M, 2 * I], I = 100 leaves a scalar tail
+    out = torch.empty(4, 100)  # [M, I]
+    kernels.silu_mul(gate_up, out)
+    torch.testing.assert_close(out, reference.silu_mul(gate_up), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_write_kv_matches_reference(kernels: CpuKernels) -> None:
+    num_heads, num_kv_heads, head_dim = 6, 2, 16
+    rope = RotaryEmbedding(head_dim, 128, 10000.0)
+    qkv = randn(3, (num_heads + 2 * num_kv_heads) * head_dim, seed=11)  # [M, qkv_size]
+    positions = torch.tensor([0, 57, 127])  # [M]
+    slots = torch.tensor([9, 2, 5])  # [M]
+    cache = torch.zeros(12, 2, num_kv_heads, head_dim)  # [slots, 2, kvh, hd]
+    q, k, v = qkv.clone().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    want_q = reference.rope(q.reshape(3, num_heads, head_dim), positions, rope.cos, rope.sin)
+    want_k = reference.rope(k.reshape(3, num_kv_heads, head_dim), positions, rope.cos, rope.sin)
+    kernels.rope_write_kv(qkv, num_heads, num_kv_heads, positions, (rope.cos, rope.sin), cache, slots)
+    torch.testing.assert_close(qkv[:, : num_heads * head_dim].view(3, num_heads, head_dim), want_q)
+    torch.testing.assert_close(cache[slots, 0], want_k)
+    assert torch.equal(cache[slots, 1], v.reshape(3, num_kv_heads, head_dim))
+
+
+def test_rope_reference_matches_the_model_rotary_embedding() -> None:
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    q = randn(4, 3, 16, seed=12)  # [M, heads, hd]
+    k = randn(4, 1, 16, seed=13)  # [M, kv_heads, hd]
+    positions = torch.tensor([3, 0, 63, 10])  # [M]
+    got_q, got_k = rope.apply(q, k, rope.lookup(positions, torch.float32))
+    assert torch.equal(got_q, reference.rope(q, positions, rope.cos, rope.sin))
+    assert torch.equal(got_k, reference.rope(k, positions, rope.cos, rope.sin))
