@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="kvrelay YAML config")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines without one")
     p.add_argument("--temperature", type=float, default=None, help="default temperature (default 0: greedy)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=run)
 
