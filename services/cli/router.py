@@ -16,6 +16,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--workers", required=True, help="comma-separated HOST:PORT list")
     p.add_argument("--grace-seconds", type=float, default=30.0)
+    p.add_argument(
+        "--model-fingerprint",
+        default=None,
+        help="the pool's model; workers reporting another are never used (default: the first to answer)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -25,5 +30,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("router")
     load_config(args.config)  # validated before serving, even though the router reads little of it yet
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
-    asyncio.run(serve(RouterOptions(args.host, args.port, workers, args.grace_seconds)))
+    options = RouterOptions(args.host, args.port, workers, args.grace_seconds, args.model_fingerprint)
+    asyncio.run(serve(options))
     return 0

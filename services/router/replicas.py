@@ -39,7 +39,9 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], tokens: TokenSource) -> None:
+    def __init__(
+        self, addresses: list[str], tokens: TokenSource, model_fingerprint: str | None = None
+    ) -> None:
         self.tokens = tokens
         self.replicas: list[Replica] = []
         for i, address in enumerate(addresses):
@@ -53,7 +55,8 @@ class ReplicaSet:
                     health_pb2_grpc.HealthStub(channel),
                 )
             )
-        self.model_fingerprint: str | None = None
+        # The pool's model: given, or else the first replica to report one defines it.
+        self.model_fingerprint: str | None = model_fingerprint
 
     def usable(self) -> list[Replica]:
         return [r for r in self.replicas if r.usable]

@@ -28,11 +28,12 @@ class RouterOptions:
     port: int
     workers: list[str]
     grace_seconds: float = 30.0
+    model_fingerprint: str | None = None
 
 
 async def serve(options: RouterOptions) -> None:
     tokens = TokenSource.from_env()
-    replicas = ReplicaSet(options.workers, tokens)
+    replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint)
     service = RouterService(replicas)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])

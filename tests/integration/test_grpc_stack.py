@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.manifest import load_verified_manifest
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
@@ -46,8 +47,17 @@ class Stack:
             for i, (d, addr) in enumerate(zip(model_dirs, self.worker_addrs, strict=True))
         ]
         workers_arg = ",".join(self.worker_addrs)
+        pool = load_verified_manifest(model_dirs[0]).model_fingerprint  # the first model is the pool's
         self.router = Proc(
-            ["router", "--port", self.router_addr.split(":")[1], "--workers", workers_arg],
+            [
+                "router",
+                "--port",
+                self.router_addr.split(":")[1],
+                "--workers",
+                workers_arg,
+                "--model-fingerprint",
+                pool,
+            ],
             env,
             tmp / "router.log",
         )
@@ -118,6 +128,10 @@ def test_router_streams_the_engines_greedy_tokens(stack: Stack, tiny_dirs: list[
 
 
 def test_router_never_uses_a_worker_with_another_model_fingerprint(stack: Stack) -> None:
+    for _ in range(100):  # the router names the stray worker once it has probed it while serving
+        if "replica serves another model" in stack.router.log():
+            break
+        time.sleep(0.1)
     replicas = worker_pb2_grpc.RouterStub(stack.channel).Replicas(pb.ReplicasRequest(), metadata=MD).replicas
     assert [r.ready for r in replicas] == [True, False]
     for i in range(6):

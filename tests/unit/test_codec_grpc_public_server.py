@@ -112,7 +112,9 @@ async def test_stop_lets_running_streams_finish_and_refuses_new_ones(
         server.begin_stop()
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             [_ async for _ in stub.Chat(CHAT)]
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A call that reaches a stopping server is refused: UNAVAILABLE, or CANCELLED when the
+        # server's shutdown overtakes the call on a loaded machine.
+        assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         rest = []
         while (message := await running.read()) is not grpc.aio.EOF:
             rest.append(message)
