@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, RequestOutput
@@ -34,6 +34,24 @@ class _Stream:
 
     def deliver(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+def _coalesce(
+    item: RequestOutput | BaseException, outputs: asyncio.Queue[RequestOutput | BaseException]
+) -> tuple[RequestOutput | BaseException, RequestOutput | BaseException | None]:
+    """Merge the already-queued outputs of the same sample into `item`: when the reader falls behind
+    (a slow hop, a busy CPU), it then sends one message with several tokens instead of one per token.
+    Returns the merged output and the first queued item that could not be merged, if any."""
+    while isinstance(item, RequestOutput) and not item.finished and not outputs.empty():
+        following = outputs.get_nowait()
+        if not isinstance(following, RequestOutput) or following.index != item.index:
+            return item, following
+        item = replace(
+            following,
+            new_token_ids=item.new_token_ids + following.new_token_ids,
+            logprobs=None if item.logprobs is None else item.logprobs + (following.logprobs or []),
+        )
+    return item, None
 
 
 class AsyncEngine:
@@ -82,9 +100,11 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, list(prompt_token_ids), params, priority, extra_key))
         num_open = params.n
+        held: RequestOutput | BaseException | None = None
         try:
             while num_open:
-                item = await stream.outputs.get()
+                item = held if held is not None else await stream.outputs.get()
+                item, held = _coalesce(item, stream.outputs)
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:

@@ -13,7 +13,7 @@ loop runs per layer. `reference_attention` shares no code with either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -142,14 +142,26 @@ def _group(rows: Sequence[RowSpec], block_size: int, is_decode: bool) -> GroupMe
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store new K/V. cache: [num_slots, 2, num_kv_heads, head_dim]; k, v: [num_tokens, kv_heads, hd]."""
-    cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1))  # [num_tokens, 2, kv_heads, hd]
+    kv = torch.stack((k, v), dim=1).to(cache.dtype)  # [num_tokens, 2, kv_heads, hd]
+    cache.index_copy_(0, slot_mapping, kv)
+
+
+# (q of the decode rows [num_decode, num_heads, head_dim], cache, meta) -> [num_decode, num_heads, head_dim]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata"], torch.Tensor]
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    decode_attention: DecodeAttention | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, kv_heads, head_dim], already
-    written to the cache. Returns [num_tokens, num_heads, head_dim]."""
+    written to the cache. Returns [num_tokens, num_heads, head_dim]. The cache may hold a wider dtype
+    than q (fp32 KV under bf16 compute); the gathered groups are attended in the cache's dtype.
+    `decode_attention`, when given, takes the decode rows (the C kernel reads the cache in place)."""
     if meta.is_fresh_prompt:  # 4-D inputs: the 3-D form falls back to SDPA's slow math kernel
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, num_tokens, hd]
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
@@ -157,7 +169,9 @@ def paged_attention(
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_decode = meta.num_decode_tokens
     decode = meta.group(is_decode=True)
-    if decode is not None:
+    if decode is not None and decode_attention is not None:
+        out[:num_decode] = decode_attention(q[:num_decode], cache, meta)
+    elif decode is not None:
         q_d = q[:num_decode].unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
         out[:num_decode] = _attend(q_d, cache, decode).squeeze(2)
     prefill = meta.group(is_decode=False)
@@ -177,7 +191,9 @@ def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata) -> torch
     kv = kv.view(num_rows, max_ctx, 2, num_kv_heads, head_dim)
     k = kv[:, :, 0].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
     v = kv[:, :, 1].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, enable_gqa=True)
+    q_cache = q.to(cache.dtype)
+    out = F.scaled_dot_product_attention(q_cache, k, v, attn_mask=group.mask, enable_gqa=True)
+    return out.to(q.dtype)
 
 
 def reference_attention(

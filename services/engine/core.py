@@ -67,7 +67,7 @@ class EngineCore:
         self.max_model_len = min(
             engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        spec = KVCacheSpec.for_model(cfg, engine.block_size, loaded.model.dtype)
+        spec = KVCacheSpec.for_model(cfg, engine.block_size, loaded.model.kv_dtype)
         self.num_blocks = plan_num_blocks(spec, engine.kv_cache_memory_mb, self.max_model_len)
         check_host_memory(loaded.weight_bytes, self.num_blocks * spec.bytes_per_block)
         self.pool = BlockPool(self.num_blocks, enable_caching=engine.enable_prefix_caching)

@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from services.common.errors import CorruptModelError
-from services.engine.attention import AttentionMetadata, paged_attention, write_kv
+from services.engine.attention import AttentionMetadata, DecodeAttention, paged_attention, write_kv
 from services.engine.models.config import ModelConfig
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers
+from services.engine.ops.packed_linear import Linear, make_linear
 from services.engine.rope import RotaryEmbedding
 
 # Steps up to this many tokens take the C kernels: on an AVX2 Zen 3 they beat MKL's fp32 GEMM up to
@@ -74,6 +75,25 @@ class LlamaLayer:
         )
 
 
+@dataclass(frozen=True)
+class _LayerLinears:
+    """A layer's four matmuls in the compute dtype (prepacked for oneDNN where that helps)."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, layer: LlamaLayer) -> _LayerLinears:
+        return cls(
+            make_linear(layer.qkv_proj, layer.qkv_bias),
+            make_linear(layer.o_proj),
+            make_linear(layer.gate_up_proj),
+            make_linear(layer.down_proj),
+        )
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -106,7 +126,14 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.kernels = load_cpu_kernels() if use_cpu_kernels and self._kernels_fit() else None
+        self.linears = [_LayerLinears.of(layer) for layer in self.layers]
+        self.lm_head_linear = make_linear(self.lm_head)
+        kernels = load_cpu_kernels() if use_cpu_kernels and self._attention_kernel_fits() else None
+        self.kernels = kernels if self._kernels_fit() else None  # every layer in one call (fp32 only)
+        # Decode rows read the cache in place through the C kernel, which wants fp32 KV: under bf16
+        # compute the cache is then kept in fp32 (bf16 K/V are stored exactly; twice the bytes).
+        self.attention_kernels = kernels
+        self.kv_dtype = torch.float32 if kernels is not None else dtype
         self._pointers: _KernelPointers | None = None
 
     def _load_layer(self, take: Callable[[str], torch.Tensor], i: int) -> LlamaLayer:
@@ -129,8 +156,11 @@ class LlamaModel:
         cfg = self.config
         sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, self.q_size)
         formats = self.dtype == torch.float32 and self.stored_dtype in (torch.float32, torch.bfloat16)
-        grouped = cfg.num_heads % cfg.num_kv_heads == 0
-        return formats and grouped and all(size % 8 == 0 for size in sizes)
+        return formats and self._attention_kernel_fits() and all(size % 8 == 0 for size in sizes)
+
+    def _attention_kernel_fits(self) -> bool:
+        cfg = self.config
+        return cfg.num_heads % cfg.num_kv_heads == 0 and cfg.head_dim % 8 == 0
 
     @property
     def weight_bytes(self) -> int:
@@ -162,7 +192,7 @@ class LlamaModel:
             h = self._torch_forward(token_ids, kv_caches, meta)  # [num_tokens, hidden]
         h = h[logits_indices]  # [num_samples, hidden]
         if kernels is None or h.shape[0] > self.small_step_max_tokens:
-            return F.linear(self._rms_norm(h, self.norm), self.lm_head).float()  # [num_samples, vocab]
+            return self.lm_head_linear(self._rms_norm(h, self.norm)).float()  # [num_samples, vocab]
         x = torch.empty_like(h)  # [num_samples, hidden]
         kernels.rms_norm(h, self.norm, x, self.config.rms_norm_eps)
         logits = h.new_empty(h.shape[0], self.lm_head_stored.shape[0])  # [num_samples, vocab]
@@ -181,35 +211,59 @@ class LlamaModel:
 
     def _torch_layer(
         self,
-        layer: LlamaLayer,
+        i: int,
         h: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
+        decode_attention: DecodeAttention | None,
     ) -> torch.Tensor:
         cfg = self.config
+        layer, linears = self.layers[i], self.linears[i]
         num_tokens = h.shape[0]
         x = self._rms_norm(h, layer.input_norm)  # [num_tokens, hidden]
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = linears.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
         heads, kv_heads, qk_size = cfg.num_heads, cfg.num_kv_heads, self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, heads + kv_heads, -1)  # [num_tokens, heads + kv_heads, hd]
         q, k = self.rope.rotate(qk, cos_sin).split([heads, kv_heads], dim=1)  # q and k rotated at once
         v = qkv[:, qk_size:].view(num_tokens, kv_heads, -1)  # [num_tokens, kv_heads, head_dim]
         write_kv(cache, meta.slot_mapping, k, v)
-        attn = paged_attention(q, k, v, cache, meta)  # [num_tokens, num_heads, head_dim]
-        h = h + F.linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)  # [num_tokens, hidden]
+        attn = paged_attention(q, k, v, cache, meta, decode_attention)  # [num_tokens, heads, head_dim]
+        h = h + linears.o(attn.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
         x = self._rms_norm(h, layer.post_norm)  # [num_tokens, hidden]
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return h + F.linear(F.silu(gate) * up, layer.down_proj)  # [num_tokens, hidden]
+        gate, up = linears.gate_up(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return h + linears.down(F.silu(gate) * up)  # [num_tokens, hidden]
 
     def _torch_forward(
         self, token_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         h = F.embedding(token_ids, self.embed_tokens).to(self.dtype)  # [num_tokens, hidden]
         cos_sin = self.rope.lookup(meta.positions, self.dtype)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            h = self._torch_layer(layer, h, cache, meta, cos_sin)
+        decode_attention = self._decode_attention(meta)
+        for i, cache in enumerate(kv_caches):
+            h = self._torch_layer(i, h, cache, meta, cos_sin, decode_attention)
         return h
+
+    def _decode_attention(self, meta: AttentionMetadata) -> DecodeAttention | None:
+        """The C kernel for this step's decode rows, where it runs (fp32 KV cache on a CPU with AVX2)."""
+        kernels = self.attention_kernels
+        num_decode = meta.num_decode_tokens
+        if kernels is None or not num_decode:
+            return None
+        scratch = torch.empty(torch.get_num_threads(), meta.max_context_len + 8)  # [threads, > max pos]
+        token_rows = meta.token_rows[:num_decode]  # [num_decode]
+        positions = meta.positions[:num_decode]  # [num_decode]
+
+        def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            q2 = q.reshape(num_decode, self.q_size).float()  # [num_decode, q_size]
+            out = torch.empty_like(q2)  # [num_decode, q_size]
+            kernels.paged_attention(
+                q2, out, cache, meta.block_tables, token_rows, positions, meta.block_size,
+                meta.max_context_len, scratch,
+            )  # fmt: skip
+            return out.view(q.shape).to(q.dtype)  # [num_decode, num_heads, head_dim]
+
+        return attend
 
     # -- the kernel path ----------------------------------------------------------------------------
 

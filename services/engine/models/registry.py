@@ -16,6 +16,7 @@ from services.engine.models.llama import LlamaModel
 class CausalLM(Protocol):
     config: ModelConfig
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's dtype (may be wider than the compute dtype)
 
     def forward(
         self,
