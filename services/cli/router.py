@@ -28,8 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from services.router.server import RouterOptions, serve
 
     configure_logging("router")
-    load_config(args.config)  # validated before serving, even though the router reads little of it yet
+    cfg = load_config(args.config)
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
-    options = RouterOptions(args.host, args.port, workers, args.grace_seconds, args.model_fingerprint)
+    options = RouterOptions(
+        args.host, args.port, workers, args.grace_seconds, args.model_fingerprint, cfg.disaggregation
+    )
     asyncio.run(serve(options))
     return 0

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run a worker (engine over gRPC)")
     p.add_argument("--config", default=None)
     p.add_argument("--model", default=None, help="model directory (default: model.path)")
-    p.add_argument("--role", choices=["colocated"], default="colocated")
+    p.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: engine.num_threads)")

@@ -67,6 +67,14 @@ class LimitsConfig(_Section):
     stream_send_timeout_ms: int = Field(default=30_000, gt=0)
 
 
+class DisaggregationConfig(_Section):
+    """Prefill/decode split (docs/disaggregation.md)."""
+
+    transport: Literal["grpc", "torch"] = "grpc"
+    transfer_timeout_ms: int = Field(default=30_000, gt=0)  # header plus every KV chunk, else recompute
+    min_prompt_tokens: int = Field(default=0, ge=0)  # shorter prompts are prefilled on the decode replica
+
+
 class ServerConfig(_Section):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
@@ -79,6 +87,7 @@ class KvrelayConfig(_Section):
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     server: ServerConfig = ServerConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> KvrelayConfig:

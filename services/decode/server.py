@@ -1,4 +1,9 @@
-"""`kvrelay worker`: a gRPC worker process over one engine (colocated: prefill and decode together).
+"""`kvrelay worker`: a gRPC worker process over one engine, in one of three roles:
+
+- colocated: prefill and decode together (also pulls remote KV when a request names a prefill replica);
+- decode: the same Worker API; the router names a prefill replica per request (services/decode/
+  remote_prefill.py);
+- prefill: also serves the Prefill RPC (services/prefill/prefill_service.py) that ships KV to decode.
 
 Health (grpc.health.v1, no token needed): the service "" is SERVING once the model is loaded and warmed
 up; "kvrelay.liveness" turns NOT_SERVING when the engine loop stops stepping while work waits.
@@ -21,11 +26,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common.config import KvrelayConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.sampling import SamplingParams
+from services.decode.remote_prefill import RemotePrefill
 from services.decode.worker_service import WorkerService
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
+from services.kvtransfer.chunks import Layout
+from services.kvtransfer.transport import GrpcReceiver, GrpcSender, KVReceiver, KVSender
+from services.prefill.prefill_service import PrefillService, TransferCounters
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
-from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +71,44 @@ async def warm_up(engine: AsyncEngine) -> None:
         pass
 
 
+def kv_layout(core: EngineCore) -> Layout:
+    cfg = core.model_config
+    dtype = core.runner.kv_caches[0].dtype
+    return Layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, core.block_size)
+
+
+def _transports() -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:
+    senders: dict[str, KVSender] = {"grpc": GrpcSender()}
+    receivers: dict[str, KVReceiver] = {"grpc": GrpcReceiver()}
+    try:
+        from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
+    except ImportError:  # torch.distributed is missing from this torch build
+        return senders, receivers
+    senders["torch"] = TorchSender()
+    receivers["torch"] = TorchReceiver()
+    return senders, receivers
+
+
 async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     tokens = TokenSource.from_env()
     core = EngineCore.from_config(config)
     engine = AsyncEngine(core)
     engine.start()
-    service = WorkerService(engine, build_info(core, config, options.role))
+    info = build_info(core, config, options.role)
+    counters = TransferCounters()
+    senders, receivers = _transports()
+    layout = kv_layout(core)
+    remote = None
+    if options.role != "prefill":
+        timeout_s = config.disaggregation.transfer_timeout_ms / 1000
+        remote = RemotePrefill(engine, info.model_fingerprint, layout, tokens, counters, timeout_s, receivers)
+    service = WorkerService(engine, info, counters, remote)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    if options.role == "prefill":
+        prefill = PrefillService(engine, info.model_fingerprint, layout, counters, senders)
+        kv_transfer_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{options.host}:{options.port}"
     server.add_insecure_port(address)
@@ -91,6 +129,8 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(options.grace_seconds)
     watchdog.cancel()
+    if remote is not None:
+        await remote.close()
     engine.shutdown()
 
 

@@ -14,9 +14,11 @@ import grpc
 
 from services.common.errors import InvalidRequestError
 from services.common.grpc_auth import request_id_of
-from services.common.proto_convert import FINISH_TO_PROTO, sampling_from_proto
+from services.common.proto_convert import sampling_from_proto
+from services.decode.outputs import output_to_proto
+from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine, EngineDeadError
-from services.engine.core import RequestOutput
+from services.prefill.prefill_service import TransferCounters
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 
@@ -24,9 +26,17 @@ log = logging.getLogger(__name__)
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, info: pb.InfoResponse) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        info: pb.InfoResponse,
+        counters: TransferCounters | None = None,
+        remote: RemotePrefill | None = None,
+    ) -> None:
         self.engine = engine
         self.info = info
+        self.counters = counters or TransferCounters()
+        self.remote = remote  # None: this replica never pulls KV (a prefill replica)
         self.requests_total = 0
         self.ready = False
 
@@ -38,6 +48,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.requests_total += 1
         num_tokens = 0
         try:
+            if self._is_remote(request):
+                async for response in self._remote(request, request_id, context):
+                    num_tokens += len(response.token_ids)
+                    yield response
+                if num_tokens:
+                    return
             params = sampling_from_proto(request.sampling)
             stream = self.engine.generate(
                 request_id,
@@ -49,7 +65,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     num_tokens += len(output.new_token_ids)
-                    yield _to_proto(output)
+                    response = output_to_proto(output)
+                    if output.finished:
+                        response.prefill_mode = pb.PREFILL_MODE_LOCAL
+                    yield response
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -64,6 +83,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     "seconds": round(time.monotonic() - started, 4),
                 },
             )
+
+    def _is_remote(self, request: pb.GenerateRequest) -> bool:
+        has_address = request.HasField("remote_prefill") and bool(request.remote_prefill.address)
+        return self.remote is not None and has_address and (request.sampling.n or 1) == 1
+
+    async def _remote(
+        self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.remote is None:
+            return
+        stream = self.remote.generate(request, request_id, context.time_remaining())
+        async with contextlib.aclosing(stream):
+            async for response in stream:
+                yield response
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self.engine.abort(request.request_id)
@@ -85,24 +118,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prefix_cache_hits=stats.prefix_cache_hits,
             requests_total=self.requests_total,
             ready=self.ready,
+            kv_transfer_bytes_total=self.counters.bytes_total,
+            remote_prefills_total=self.counters.remote_prefills_total,
+            prefill_fallbacks_total=self.counters.fallbacks_total,
         )
-
-
-def _to_proto(output: RequestOutput) -> pb.GenerateResponse:
-    logprobs = [
-        pb.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
-        for lp in output.logprobs or ()
-    ]
-    reason = output.finish_reason.value if output.finish_reason is not None else None
-    return pb.GenerateResponse(
-        index=output.index,
-        token_ids=output.new_token_ids,
-        logprobs=logprobs,
-        finish_reason=FINISH_TO_PROTO[reason],
-        num_prompt_tokens=output.num_prompt_tokens,
-        num_cached_tokens=output.num_cached_tokens,
-    )

@@ -17,7 +17,8 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from services.common.sampling import SamplingParams
-from services.engine.core import EngineCore, EngineStats, RequestOutput
+from services.engine.core import EngineCore, EngineStats, KVExport, RequestOutput
+from services.engine.request import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,15 @@ def _coalesce(
             logprobs=None if item.logprobs is None else item.logprobs + (following.logprobs or []),
         )
     return item, None
+
+
+def _settle(future: asyncio.Future[int | None], value: int | None, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 class AsyncEngine:
@@ -91,15 +101,88 @@ class AsyncEngine:
         *,
         priority: int = 0,
         extra_key: bytes = b"",
+        export_kv_from: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one output per new token until all n sequences finish. Bad input raises before queueing."""
+        """Stream one output per new token until all n sequences finish. Bad input raises before queueing.
+        With `export_kv_from` (prefill replica) the one output carries the prompt's KV (`output.kv`)."""
+        stream = self._open(request_id, prompt_token_ids, params)
+        prompt = list(prompt_token_ids)
+        self._submit(lambda: self._add(request_id, prompt, params, priority, extra_key, export_kv_from))
+        async for item in self._outputs(request_id, stream, params.n):
+            yield item
+
+    async def reserve_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        extra_key: bytes = b"",
+    ) -> int | None:
+        """Decode replica: reserve blocks for a prompt whose KV comes from a prefill replica. Returns the
+        prompt tokens already cached here, or None (no room: nothing is held, use `generate`). After a
+        reservation the caller must end with `install_remote` or `resume_local` and read `outputs`, or
+        `abort` the request."""
+        stream = self._open(request_id, prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[int | None] = loop.create_future()
+        prompt = list(prompt_token_ids)
+
+        def reserve() -> None:
+            try:
+                num_skip = self.core.reserve_remote(
+                    request_id, prompt, params, priority=priority, extra_key=extra_key
+                )
+            except Exception as exc:  # a typed error for the caller, not the loop
+                loop.call_soon_threadsafe(_settle, result, None, exc)
+                return
+            if num_skip is not None:
+                stream.seq_ids = [request_id]
+            loop.call_soon_threadsafe(_settle, result, num_skip, None)
+
+        self._submit(reserve)
+        try:
+            num_skip = await result
+        except BaseException:
+            self.release(request_id)  # runs after the reservation, so nothing stays held
+            raise
+        if num_skip is None:
+            self._streams.pop(request_id, None)
+        return num_skip
+
+    def install_remote(self, request_id: str, first: TokenLogprob, export: KVExport) -> None:
+        """Write the received KV into the reservation and decode on; errors arrive on `outputs`."""
+        self._submit(lambda: self._deliver_errors(request_id, self.core.install_remote, first, export))
+
+    def resume_local(self, request_id: str, first: TokenLogprob | None) -> None:
+        """Compute the reserved request's prompt (and `first`, if already sent) here instead."""
+        self._submit(lambda: self._deliver_errors(request_id, self.core.resume_local, first))
+
+    async def outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of a reserved request after `install_remote` or `resume_local`."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"no open stream for request {request_id!r}")
+        async for item in self._outputs(request_id, stream, 1):
+            yield item
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's stream and abort whatever of it the engine still holds (idempotent)."""
+        self._streams.pop(request_id, None)
+        self.abort(request_id)
+
+    def _open(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> _Stream:
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         self.core.validate(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, list(prompt_token_ids), params, priority, extra_key))
-        num_open = params.n
+        return stream
+
+    async def _outputs(
+        self, request_id: str, stream: _Stream, num_open: int
+    ) -> AsyncGenerator[RequestOutput, None]:
         held: RequestOutput | BaseException | None = None
         try:
             while num_open:
@@ -125,17 +208,31 @@ class AsyncEngine:
     # -- engine thread ------------------------------------------------------------------------------
 
     def _add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, key: bytes
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        key: bytes,
+        export_kv_from: int | None,
     ) -> None:
         stream = self._streams.get(request_id)
         if stream is None:  # the caller went away before its request reached the engine
             return
         try:
             stream.seq_ids = self.core.add_request(
-                request_id, prompt, params, priority=priority, extra_key=key
+                request_id, prompt, params, priority=priority, extra_key=key, export_kv_from=export_kv_from
             )
         except Exception as exc:  # a typed error for the caller, not the loop
             stream.deliver(exc)
+
+    def _deliver_errors(self, request_id: str, command: Callable[..., None], *args: object) -> None:
+        try:
+            command(request_id, *args)
+        except Exception as exc:  # a typed error for the caller, not the loop
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.deliver(exc)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -25,9 +25,21 @@ from services.engine.block_pool import BlockPool, BlockPoolStats
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
 from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
 from services.engine.loader import LoadedModel, load_model
-from services.engine.request import FinishReason, Request, TokenLogprob
+from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
+
+
+class KVTransferError(InvalidRequestError):
+    """Received KV that does not fit the reservation it is meant for (wrong start or token count)."""
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """The KV of prompt positions start_token.. of one request, every layer: what a prefill replica ships."""
+
+    start_token: int
+    kv: torch.Tensor  # [num_layers, num_tokens, 2, num_kv_heads, head_dim]
 
 
 @dataclass(frozen=True)
@@ -41,10 +53,11 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    kv: KVExport | None = None  # prefill replica: the request stops here and its KV goes to decode
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.kv is not None
 
 
 @dataclass(frozen=True)
@@ -110,11 +123,17 @@ class EngineCore:
         priority: int = 0,
         extra_key: bytes = b"",
         arrival_time: float | None = None,
+        export_kv_from: int | None = None,
     ) -> list[str]:
-        """Queue a request (n sequences for n > 1). Returns the internal sequence IDs."""
+        """Queue a request (n sequences for n > 1). Returns the internal sequence IDs.
+
+        With `export_kv_from` (a prefill replica), the request stops after its first token unless that
+        token ends it, and its output carries the KV of prompt positions export_kv_from.. ."""
         if not request_id:
             raise InvalidRequestError("request_id must not be empty", param="request_id")
         self.validate(prompt_token_ids, params)
+        if export_kv_from is not None and (params.n != 1 or not 0 <= export_kv_from < len(prompt_token_ids)):
+            raise InvalidRequestError("a remote prefill takes n=1 and a skip inside the prompt", param="n")
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if any(s in self.scheduler.requests for s in seq_ids):
             raise DuplicateRequestError(f"request {request_id!r} is already running")
@@ -134,9 +153,67 @@ class EngineCore:
                     arrival_time=arrival,
                     group_leader_id=seq_ids[0] if i > 0 else None,
                     max_model_len=self.max_model_len,
+                    export_kv_from=export_kv_from,
                 )
             )
         return seq_ids
+
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        extra_key: bytes = b"",
+    ) -> int | None:
+        """Decode replica: hold blocks for a request whose prompt KV a prefill replica will send.
+        Returns how many leading prompt tokens are already cached here (the prefill replica skips
+        sending them), or None when the pool has no room (the caller computes the prompt here)."""
+        if params.n != 1:
+            raise InvalidRequestError("a remote prefill takes n=1", param="n")
+        self.add_request(request_id, prompt_token_ids, params, priority=priority, extra_key=extra_key)
+        request = self.scheduler.requests[request_id]
+        self.scheduler.waiting.remove(request)
+        if not self.scheduler.reserve(request):
+            self.scheduler.waiting.append(request)
+            self.scheduler.finish(request, FinishReason.ABORT)
+            return None
+        return request.num_computed_tokens
+
+    def install_remote(self, request_id: str, first: TokenLogprob, export: KVExport) -> None:
+        """Write received prompt KV into the reserved blocks and start decoding after `first`."""
+        request = self._reserved(request_id)
+        num_tokens = export.kv.shape[1]
+        if export.start_token != request.num_computed_tokens or (
+            export.start_token + num_tokens != request.num_prompt_tokens
+        ):
+            raise KVTransferError(
+                f"KV for positions {export.start_token}..{export.start_token + num_tokens} does not fit "
+                f"a reservation of {request.num_computed_tokens}..{request.num_prompt_tokens}"
+            )
+        self.runner.write_kv(request.block_ids, export.start_token, export.kv)
+        self.scheduler.start_remote(request)
+        self._append_first(request, first)
+
+    def resume_local(self, request_id: str, first: TokenLogprob | None) -> None:
+        """The remote prefill failed: compute the prompt (and `first`, if it went out already) here."""
+        request = self._reserved(request_id)
+        if first is not None:
+            self._append_first(request, first)
+        self.scheduler.requeue(request)
+
+    def _reserved(self, request_id: str) -> Request:
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+            raise KVTransferError(f"request {request_id!r} holds no KV reservation")
+        return request
+
+    @staticmethod
+    def _append_first(request: Request, first: TokenLogprob) -> None:
+        request.append_token(first.token_id)
+        if request.params.logprobs is not None:
+            request.logprobs.append(first)
 
     def abort(self, seq_ids: Sequence[str]) -> int:
         """Abort sequences wherever they are; every block returns to the pool. Returns how many."""
@@ -162,7 +239,15 @@ class EngineCore:
         updates = self.scheduler.update(step, result.sampled)
         return [self._output(u.request, u.token, u.finish_reason) for u in updates]
 
+    def _export(self, request: Request) -> KVExport:
+        """Copy out a prefill-only request's prompt KV, then finish it (its blocks stay cached here)."""
+        start = request.export_kv_from or 0
+        kv = self.runner.read_kv(request.block_ids, start, request.num_prompt_tokens)
+        self.scheduler.finish(request, FinishReason.HANDOFF)
+        return KVExport(start, kv)
+
     def _output(self, request: Request, sampled: TokenLogprob, reason: FinishReason | None) -> RequestOutput:
+        kv = self._export(request) if request.export_kv_from is not None and reason is None else None
         base_id, _, index = request.request_id.partition("#")
         return RequestOutput(
             request_id=base_id,
@@ -172,11 +257,12 @@ class EngineCore:
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            kv=kv,
         )
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=len(self.scheduler.requests) - len(self.scheduler.waiting),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks=self.pool.stats(),
             prefix_cache_queries=self.prefix_stats.num_queries,

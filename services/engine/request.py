@@ -13,6 +13,7 @@ from services.common.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; the prompt's KV comes from a prefill replica
     FINISHED = "finished"
 
 
@@ -20,6 +21,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # an EOS or stop token ID was sampled
     LENGTH = "length"  # max_tokens, or the model's context, was reached
     ABORT = "abort"  # aborted by the caller (cancel, deadline)
+    HANDOFF = "handoff"  # prefill replica: the prompt's KV and first token went to a decode replica
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Request:
     # Followers of a parallel-sampling group wait until the leader's prompt is cached, so they share it.
     group_leader_id: str | None = None
     max_model_len: int = 0
+    # Prefill replica: after the first token, export the KV of prompt positions from here on and stop.
+    export_kv_from: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

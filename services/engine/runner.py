@@ -56,6 +56,23 @@ class ModelRunner:
             return StepResult({})
         return StepResult(self._sample(logits, [c.request for c in sampling_chunks]))
 
+    def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """A copy of the KV at positions start..end-1: [num_layers, end - start, 2, kv_heads, head_dim]."""
+        slots = self._slots(block_ids, start, end)
+        return torch.stack([cache.index_select(0, slots) for cache in self.kv_caches])
+
+    def write_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
+        """Store `kv` [num_layers, num_tokens, 2, kv_heads, head_dim] at positions start.. ."""
+        if kv.shape[0] != len(self.kv_caches) or kv.shape[2:] != self.kv_caches[0].shape[1:]:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit this model's cache")
+        slots = self._slots(block_ids, start, start + kv.shape[1])
+        for cache, layer_kv in zip(self.kv_caches, kv, strict=True):
+            cache.index_copy_(0, slots, layer_kv.to(cache.dtype))
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.long)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, TokenLogprob]:
         rows = [
             SamplingRow(

@@ -66,6 +66,32 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def reserve(self, request: Request) -> bool:
+        """Hold blocks for a request whose prompt KV will arrive from a prefill replica: its cached
+        prefix plus room for the rest of the prompt and the first token. False if the pool is short."""
+        cached = self.kv.find_cached_prefix(request)
+        num_new = request.num_tokens - len(cached) * self.kv.block_size + 1
+        if not self.kv.admit(request, cached, num_new):
+            return False
+        request.num_cached_tokens = request.num_computed_tokens
+        request._admitted_once = True
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        return True
+
+    def start_remote(self, request: Request) -> None:
+        """A reserved request whose prompt KV is now written: it joins the running batch."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.commit(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """A reserved request whose KV will not come: free its blocks and compute it here instead."""
+        self.kv.release(request)
+        request.num_computed_tokens = 0
+        self._enqueue(request)
+
     def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         keys = [r.sort_key for r in self.waiting]
@@ -167,6 +193,7 @@ class Scheduler:
             self.kv.commit(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        # WAITING_FOR_KV requests sit in neither list; releasing their reservation is all.
         self.kv.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -175,7 +202,8 @@ class Scheduler:
     def held_block_refs(self) -> dict[int, int]:
         """How many references the live requests hold on each block: for invariant checks."""
         refs: dict[int, int] = {}
-        for request in self.running:
+        reserved = [r for r in self.requests.values() if r.status is RequestStatus.WAITING_FOR_KV]
+        for request in self.running + reserved:
             for block_id in request.block_ids:
                 refs[block_id] = refs.get(block_id, 0) + 1
         return refs

@@ -58,8 +58,13 @@ class ReplicaSet:
         # The pool's model: given, or else the first replica to report one defines it.
         self.model_fingerprint: str | None = model_fingerprint
 
-    def usable(self) -> list[Replica]:
-        return [r for r in self.replicas if r.usable]
+    def usable(self, roles: frozenset[str] | None = None) -> list[Replica]:
+        """Healthy replicas of the pool's model; only those whose role is in `roles`, when given."""
+        return [
+            r
+            for r in self.replicas
+            if r.usable and (roles is None or (r.info is not None and r.info.role in roles))
+        ]
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self._probe(r) for r in self.replicas))

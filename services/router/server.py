@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.config import DisaggregationConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.replicas import ReplicaSet
-from services.router.router_service import RouterService, RouterStatusService
+from services.router.router_service import DECODE_ROLES, RouterService, RouterStatusService
 
 log = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
@@ -29,12 +30,13 @@ class RouterOptions:
     workers: list[str]
     grace_seconds: float = 30.0
     model_fingerprint: str | None = None
+    disaggregation: DisaggregationConfig | None = None
 
 
 async def serve(options: RouterOptions) -> None:
     tokens = TokenSource.from_env()
     replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint)
-    service = RouterService(replicas)
+    service = RouterService(replicas, options.disaggregation)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
@@ -62,7 +64,7 @@ async def _refresh(
     serving: bool | None = None
     while not stop.is_set():
         await replicas.refresh()
-        usable = bool(replicas.usable())
+        usable = bool(replicas.usable(DECODE_ROLES))  # streams need a decode (or colocated) replica
         if usable != serving:
             serving = usable
             status = (

@@ -1,0 +1,227 @@
+"""Decode replica side of disaggregation: reserve, pull the prompt's KV from a prefill replica, decode.
+
+    reserve blocks (own prefix-cache hits count as held)  ->  Prefill(num_skip_tokens) on the chosen P
+    -> header: the first token goes to the client at once  ->  KV chunks, each checked  ->  install
+    -> continue with continuous batching beside the other streams.
+
+Any failure before the KV is installed (P unreachable or killed, a bad checksum, a wrong layout,
+fingerprint or chunk count, the transfer deadline) frees nothing the client can see: the reservation is
+turned into a local request over the prompt plus the first token if it already went out, which is a
+continuation of the same stream. Once installed, the request no longer depends on P. A client that goes
+away cancels this generator: the Prefill call is cancelled (P aborts) and the request is released here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.grpc_auth import TokenSource
+from services.common.proto_convert import sampling_from_proto
+from services.decode.outputs import output_to_proto
+from services.engine.async_engine import AsyncEngine
+from services.engine.request import TokenLogprob
+from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
+from services.kvtransfer.transport import GrpcReceiver, KVReceiver
+from services.prefill.prefill_service import TransferCounters
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+TRANSFER_FAILURES = (grpc.aio.AioRpcError, KVTransferFault, StopAsyncIteration)
+
+
+@dataclass
+class _Transfer:
+    first: TokenLogprob | None = None
+    num_cached_tokens: int = 0  # prompt tokens P served from its prefix cache (it computed the rest)
+    num_bytes: int = 0
+    mode: pb.PrefillMode = pb.PREFILL_MODE_FALLBACK
+
+
+class RemotePrefill:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_fingerprint: str,
+        layout: Layout,
+        tokens: TokenSource,
+        counters: TransferCounters,
+        transfer_timeout_s: float,
+        receivers: Mapping[str, KVReceiver] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_fingerprint = model_fingerprint
+        self.layout = layout
+        self.tokens = tokens
+        self.counters = counters
+        self.transfer_timeout_s = transfer_timeout_s
+        self.receivers: Mapping[str, KVReceiver] = receivers or {"grpc": GrpcReceiver()}
+        self._stubs: dict[str, kv_transfer_pb2_grpc.PrefillStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def generate(
+        self, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The request's stream, or nothing if this replica has no room to reserve (the caller then
+        runs it locally)."""
+        params = sampling_from_proto(request.sampling)
+        num_skip = await self.engine.reserve_remote(
+            request_id,
+            list(request.prompt_token_ids),
+            params,
+            priority=request.priority,
+            extra_key=bytes(request.tenant_salt),
+        )
+        if num_skip is None:
+            return
+        transfer = _Transfer()
+        finished = False
+        try:
+            async for response in self._pull(request, request_id, num_skip, time_remaining, transfer):
+                finished = response.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                yield response
+            if finished:
+                return
+            async for output in self.engine.outputs(request_id):
+                response = output_to_proto(output)
+                if transfer.mode == pb.PREFILL_MODE_REMOTE:
+                    response.num_cached_tokens = transfer.num_cached_tokens
+                if output.finished:
+                    finished = True
+                    response.prefill_mode = transfer.mode
+                    response.kv_transfer_bytes = transfer.num_bytes
+                yield response
+        finally:
+            if not finished:
+                self.engine.release(request_id)
+
+    async def _pull(
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        num_skip: int,
+        time_remaining: float | None,
+        transfer: _Transfer,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Yields the first token as soon as P sends it, then installs the KV or falls back."""
+        remote = request.remote_prefill
+        timeout = (
+            self.transfer_timeout_s
+            if time_remaining is None
+            else min(time_remaining, self.transfer_timeout_s)
+        )
+        call = self._stub(remote.address).Prefill(
+            kvpb.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                tenant_salt=request.tenant_salt,
+                priority=request.priority,
+                num_skip_tokens=num_skip,
+                model_fingerprint=self.model_fingerprint,
+                kv_dtype=dtype_name(self.layout.dtype),
+                transport=remote.transport or "grpc",
+            ),
+            metadata=self.tokens.metadata(request_id),
+            timeout=timeout,
+        )
+        try:
+            responses = aiter(call)
+            try:
+                header = await self._header(responses)
+            except TRANSFER_FAILURES as exc:
+                self._fall_back(request_id, remote.address, transfer, exc)
+                return
+            transfer.num_cached_tokens = header.num_cached_tokens
+            transfer.first = TokenLogprob(
+                header.first_token.token_id,
+                header.first_token.logprob,
+                [(t.token_id, t.logprob) for t in header.first_token.top],
+            )
+            yield _first_response(header, request.sampling.HasField("logprobs"))
+            if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                self.engine.release(request_id)  # the first token ended it: nothing to decode
+                return
+            try:
+                await self._receive(header, responses, request_id, remote.transport or "grpc", transfer)
+            except TRANSFER_FAILURES as exc:
+                self._fall_back(request_id, remote.address, transfer, exc)
+        finally:
+            call.cancel()
+
+    async def _header(self, responses: AsyncIterator[kvpb.PrefillResponse]) -> kvpb.PrefillHeader:
+        first = await anext(responses)
+        if first.WhichOneof("item") != "header":
+            raise KVTransferFault("the prefill stream did not start with a header")
+        header = first.header
+        if header.model_fingerprint != self.model_fingerprint:
+            raise KVTransferFault(f"KV from model {header.model_fingerprint!r}, not this replica's")
+        return header
+
+    async def _receive(
+        self,
+        header: kvpb.PrefillHeader,
+        responses: AsyncIterator[kvpb.PrefillResponse],
+        request_id: str,
+        transport: str,
+        transfer: _Transfer,
+    ) -> None:
+        assembler = KVAssembler(header, self.layout)
+        receiver = self.receivers.get(transport)
+        if receiver is None:
+            raise KVTransferFault(f"transport {transport!r} is not offered here")
+        while not assembler.is_complete:
+            item = await anext(responses)
+            if item.WhichOneof("item") != "chunk":
+                raise KVTransferFault("a second header in the prefill stream")
+            assembler.expect(item.chunk)
+            assembler.add(item.chunk, await receiver.receive(item.chunk, self.layout))
+        export = assembler.export()
+        if transfer.first is None:
+            raise KVTransferFault("KV arrived without a first token")
+        self.engine.install_remote(request_id, transfer.first, export)
+        transfer.num_bytes = assembler.num_bytes
+        transfer.mode = pb.PREFILL_MODE_REMOTE
+        self.counters.bytes_total += assembler.num_bytes
+        self.counters.remote_prefills_total += 1
+
+    def _fall_back(self, request_id: str, address: str, transfer: _Transfer, exc: BaseException) -> None:
+        reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc) or type(exc).__name__
+        log.warning(
+            "remote prefill failed; recomputing here",
+            extra={"request_id": request_id, "prefill": address, "reason": reason},
+        )
+        self.counters.fallbacks_total += 1
+        transfer.mode = pb.PREFILL_MODE_FALLBACK
+        self.engine.resume_local(request_id, transfer.first)
+
+    def _stub(self, address: str) -> kv_transfer_pb2_grpc.PrefillStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            options = [("grpc.max_receive_message_length", 64 << 20)]
+            channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels.append(channel)
+            stub = self._stubs[address] = kv_transfer_pb2_grpc.PrefillStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+def _first_response(header: kvpb.PrefillHeader, with_logprobs: bool) -> pb.GenerateResponse:
+    first = header.first_token
+    return pb.GenerateResponse(
+        index=0,
+        token_ids=[first.token_id],
+        logprobs=[first] if with_logprobs else [],
+        finish_reason=header.finish_reason,
+        num_prompt_tokens=header.num_prompt_tokens,
+        num_cached_tokens=header.num_cached_tokens,
+        prefill_mode=pb.PREFILL_MODE_REMOTE if header.finish_reason else pb.PREFILL_MODE_UNSPECIFIED,
+    )

@@ -1,0 +1,158 @@
+"""The KV transfer's wire unit: a block-wise chunk of one request's prompt KV, checksummed.
+
+A chunk is a run of whole blocks (the last one may be partial) covering every layer, K and V:
+`[num_layers, num_tokens, 2, num_kv_heads, head_dim]`, sent as the raw little-endian bytes of that
+contiguous tensor with a zlib CRC-32. Block-wise rather than layer-wise: a chunk can be written as soon as
+it lands, the decode side needs the whole prompt before its first step anyway (its first step reads every
+layer), and the chunk count is independent of the model's depth. Chunks are sized near
+`TARGET_CHUNK_BYTES` so that one message stays well under gRPC's 4 MiB default and flow control paces them.
+
+`KVAssembler` on the decode side checks every promise of the header: chunk order, positions, sizes,
+checksums, and the total; any mismatch raises `KVTransferFault` and the decode replica recomputes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.core import KVExport
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
+
+TARGET_CHUNK_BYTES = 1 << 20
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVTransferFault(Exception):
+    """The KV stream broke a promise (checksum, order, size, layout, fingerprint): fall back."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+
+    def to_proto(self) -> kvpb.KVLayout:
+        return kvpb.KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype_name(self.dtype),
+            block_size=self.block_size,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: kvpb.KVLayout) -> Layout:
+        if msg.dtype not in DTYPES:
+            raise KVTransferFault(f"unknown KV dtype {msg.dtype!r}")
+        return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, DTYPES[msg.dtype], msg.block_size)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tokens_per_chunk(layout: Layout, target_bytes: int = TARGET_CHUNK_BYTES) -> int:
+    """Whole blocks per chunk, as many as fit `target_bytes` (at least one block)."""
+    num_blocks = max(1, target_bytes // (layout.bytes_per_token * layout.block_size))
+    return num_blocks * layout.block_size
+
+
+def split(export: KVExport, layout: Layout, target_bytes: int = TARGET_CHUNK_BYTES) -> Iterator[KVExport]:
+    """The export in block-aligned pieces (the first piece ends on a block boundary)."""
+    step = tokens_per_chunk(layout, target_bytes)
+    start, end = export.start_token, export.start_token + export.kv.shape[1]
+    position = start
+    while position < end:
+        boundary = min(end, (position // step + 1) * step)
+        yield KVExport(position, export.kv[:, position - start : boundary - start])
+        position = boundary
+
+
+def num_chunks(start_token: int, num_tokens: int, layout: Layout, target: int = TARGET_CHUNK_BYTES) -> int:
+    step = tokens_per_chunk(layout, target)
+    if num_tokens == 0:
+        return 0
+    return (start_token + num_tokens - 1) // step - start_token // step + 1
+
+
+def to_bytes(kv: torch.Tensor) -> bytes:
+    """The raw bytes of a KV piece [num_layers, num_tokens, 2, kv_heads, head_dim] in C order."""
+    return kv.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def checksum(data: bytes | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def from_bytes(data: bytes, layout: Layout, num_tokens: int) -> torch.Tensor:
+    expected = num_tokens * layout.bytes_per_token
+    if len(data) != expected:
+        raise KVTransferFault(f"chunk holds {len(data)} bytes, its {num_tokens} tokens need {expected}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    shape = (layout.num_layers, num_tokens, 2, layout.num_kv_heads, layout.head_dim)
+    return flat.view(layout.dtype).view(shape)  # [num_layers, num_tokens, 2, kv_heads, head_dim]
+
+
+class KVAssembler:
+    """Collects a request's chunks into one KV tensor, checking each against the header's promises."""
+
+    def __init__(self, header: kvpb.PrefillHeader, expected_layout: Layout) -> None:
+        layout = Layout.from_proto(header.layout)
+        if layout != expected_layout:
+            raise KVTransferFault(f"KV layout {layout} differs from this replica's {expected_layout}")
+        self.layout = layout
+        self.start_token = header.first_token_position
+        self.num_tokens = header.num_kv_tokens
+        self.num_chunks = header.num_chunks
+        shape = (layout.num_layers, self.num_tokens, 2, layout.num_kv_heads, layout.head_dim)
+        self.kv = torch.empty(shape, dtype=layout.dtype)
+        self._next_index = 0
+        self._next_token = self.start_token
+        self.num_bytes = 0
+
+    @property
+    def is_complete(self) -> bool:
+        return self._next_index == self.num_chunks and self._next_token == self.start_token + self.num_tokens
+
+    def expect(self, chunk: kvpb.KVChunk) -> None:
+        """Check a chunk's place in the stream before its bytes are read."""
+        if chunk.index != self._next_index or chunk.start_token != self._next_token:
+            raise KVTransferFault(
+                f"chunk {chunk.index} at token {chunk.start_token}; expected chunk {self._next_index} "
+                f"at token {self._next_token}"
+            )
+        if (
+            chunk.index >= self.num_chunks
+            or chunk.num_tokens == 0
+            or (chunk.start_token + chunk.num_tokens > self.start_token + self.num_tokens)
+        ):
+            raise KVTransferFault(f"chunk {chunk.index} runs past the {self.num_tokens} promised tokens")
+
+    def add(self, chunk: kvpb.KVChunk, piece: torch.Tensor) -> None:
+        """Place a checked chunk's tensor [num_layers, num_tokens, 2, kv_heads, head_dim]."""
+        offset = chunk.start_token - self.start_token
+        self.kv[:, offset : offset + chunk.num_tokens] = piece
+        self._next_index += 1
+        self._next_token += chunk.num_tokens
+        self.num_bytes += chunk.num_tokens * self.layout.bytes_per_token
+
+    def export(self) -> KVExport:
+        if not self.is_complete:
+            raise KVTransferFault(
+                f"stream ended after {self._next_index} of {self.num_chunks} chunks "
+                f"({self._next_token - self.start_token} of {self.num_tokens} tokens)"
+            )
+        return KVExport(self.start_token, self.kv)

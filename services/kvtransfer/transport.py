@@ -1,0 +1,50 @@
+"""How the chunk bytes travel. The Prefill stream always carries the header and one KVChunk per chunk;
+a transport decides where each chunk's tensor goes.
+
+- `GrpcSender` / `GrpcReceiver`: the bytes ride in `KVChunk.data` (the default; works anywhere).
+- `services/kvtransfer/torch_transport.py`: the tensors go over a torch.distributed pair group (gloo
+  between CPU processes, NCCL between GPUs); `KVChunk` then carries only the layout and checksum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import torch
+
+from services.engine.core import KVExport
+from services.kvtransfer.chunks import KVTransferFault, Layout, checksum, from_bytes, split, to_bytes
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
+
+
+class KVSender(Protocol):
+    """Prefill side: turns one export into its KVChunk messages (and ships tensors out of band)."""
+
+    def chunks(self, export: KVExport, layout: Layout) -> AsyncIterator[kvpb.KVChunk]: ...
+
+
+class KVReceiver(Protocol):
+    """Decode side: the tensor [num_layers, num_tokens, 2, kv_heads, head_dim] of one checked chunk."""
+
+    async def receive(self, chunk: kvpb.KVChunk, layout: Layout) -> torch.Tensor: ...
+
+
+class GrpcSender:
+    async def chunks(self, export: KVExport, layout: Layout) -> AsyncIterator[kvpb.KVChunk]:
+        for index, piece in enumerate(split(export, layout)):
+            data = to_bytes(piece.kv)
+            yield kvpb.KVChunk(
+                index=index,
+                start_token=piece.start_token,
+                num_tokens=piece.kv.shape[1],
+                data=data,
+                crc32=checksum(data),
+            )
+
+
+class GrpcReceiver:
+    async def receive(self, chunk: kvpb.KVChunk, layout: Layout) -> torch.Tensor:
+        if checksum(chunk.data) != chunk.crc32:
+            raise KVTransferFault(f"chunk {chunk.index}: checksum mismatch")
+        return from_bytes(chunk.data, layout, chunk.num_tokens)

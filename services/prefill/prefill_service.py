@@ -1,0 +1,135 @@
+"""The prefill replica's Prefill RPC: run a prompt, sample its first token, ship the KV to the caller.
+
+The decode replica that calls has already reserved blocks for the prompt. This side refuses a caller
+with another model or KV dtype (FAILED_PRECONDITION, before any work), runs the prompt through its own
+engine (chunked prefill and prefix caching as usual), and answers with one PrefillHeader and then the
+KV chunks of every prompt position from `num_skip_tokens` on. If the first token already ends the
+request, the header says so and no KV follows. A cancelled call (the decode side or the client went
+away, or the deadline passed) aborts the request here, so its blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.errors import InvalidRequestError
+from services.common.proto_convert import FINISH_TO_PROTO, sampling_from_proto
+from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.core import RequestOutput
+from services.kvtransfer.chunks import Layout, dtype_name, num_chunks
+from services.kvtransfer.transport import GrpcSender, KVSender
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
+from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferCounters:
+    """What crossed to or from peers, for Load and metrics."""
+
+    bytes_total: int = 0
+    remote_prefills_total: int = 0
+    fallbacks_total: int = 0
+
+
+class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_fingerprint: str,
+        layout: Layout,
+        counters: TransferCounters,
+        senders: dict[str, KVSender] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_fingerprint = model_fingerprint
+        self.layout = layout
+        self.counters = counters
+        self.senders: dict[str, KVSender] = senders if senders is not None else {"grpc": GrpcSender()}
+
+    async def Prefill(
+        self, request: kvpb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvpb.PrefillResponse]:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        started = time.monotonic()
+        num_bytes = 0
+        try:
+            output = await self._first_output(request)
+            yield kvpb.PrefillResponse(header=self._header(request, output))
+            if output.kv is not None:
+                sender = self.senders[request.transport or "grpc"]
+                async for chunk in sender.chunks(output.kv, self.layout):
+                    num_bytes += chunk.num_tokens * self.layout.bytes_per_token
+                    yield kvpb.PrefillResponse(chunk=chunk)
+                self.counters.bytes_total += num_bytes
+                self.counters.remote_prefills_total += 1
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            log.info(
+                "prefill done",
+                extra={
+                    "request_id": request.request_id,
+                    "prompt_tokens": len(request.prompt_token_ids),
+                    "skipped_tokens": request.num_skip_tokens,
+                    "kv_bytes": num_bytes,
+                    "seconds": round(time.monotonic() - started, 4),
+                },
+            )
+
+    def _refusal(self, request: kvpb.PrefillRequest) -> str | None:
+        if request.model_fingerprint != self.model_fingerprint:
+            return f"model_fingerprint {request.model_fingerprint!r} is not this replica's"
+        if request.kv_dtype != dtype_name(self.layout.dtype):
+            return f"KV dtype {request.kv_dtype!r} is not this replica's {dtype_name(self.layout.dtype)}"
+        if (request.transport or "grpc") not in self.senders:
+            return f"transport {request.transport!r} is not offered here"
+        if request.num_skip_tokens >= len(request.prompt_token_ids):
+            return "num_skip_tokens must leave at least one prompt token"
+        return None
+
+    async def _first_output(self, request: kvpb.PrefillRequest) -> RequestOutput:
+        stream = self.engine.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            sampling_from_proto(request.sampling),
+            priority=request.priority,
+            extra_key=bytes(request.tenant_salt),
+            export_kv_from=request.num_skip_tokens,
+        )
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                return output
+        raise EngineDeadError("the engine ended the prefill without a token")
+
+    def _header(self, request: kvpb.PrefillRequest, output: RequestOutput) -> kvpb.PrefillHeader:
+        first = output.logprobs[0] if output.logprobs else None
+        token = pb.TokenLogprob(token_id=output.new_token_ids[0])
+        if first is not None:
+            token.logprob = first.logprob
+            token.top.extend(pb.TopLogprob(token_id=t, logprob=v) for t, v in first.top)
+        reason = output.finish_reason.value if output.finish_reason is not None else None
+        num_kv = 0 if output.kv is None else output.kv.kv.shape[1]
+        return kvpb.PrefillHeader(
+            model_fingerprint=self.model_fingerprint,
+            layout=self.layout.to_proto(),
+            first_token=token,
+            finish_reason=FINISH_TO_PROTO[reason],
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+            first_token_position=request.num_skip_tokens,
+            num_kv_tokens=num_kv,
+            num_chunks=num_chunks(request.num_skip_tokens, num_kv, self.layout),
+        )
