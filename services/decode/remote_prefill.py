@@ -14,6 +14,7 @@ away cancels this generator: the Prefill call is cancelled (P aborts) and the re
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class _Transfer:
     first: TokenLogprob | None = None
     num_cached_tokens: int = 0  # prompt tokens P served from its prefix cache (it computed the rest)
     num_bytes: int = 0
+    seconds: float = 0.0
     mode: pb.PrefillMode = pb.PREFILL_MODE_FALLBACK
 
 
@@ -95,6 +97,7 @@ class RemotePrefill:
                     finished = True
                     response.prefill_mode = transfer.mode
                     response.kv_transfer_bytes = transfer.num_bytes
+                    response.kv_transfer_seconds = transfer.seconds
                 yield response
         finally:
             if not finished:
@@ -110,6 +113,7 @@ class RemotePrefill:
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Yields the first token as soon as P sends it, then installs the KV or falls back."""
         remote = request.remote_prefill
+        started = time.monotonic()
         timeout = (
             self.transfer_timeout_s
             if time_remaining is None
@@ -149,6 +153,7 @@ class RemotePrefill:
                 return
             try:
                 await self._receive(header, responses, request_id, remote.transport or "grpc", transfer)
+                transfer.seconds = time.monotonic() - started
             except TRANSFER_FAILURES as exc:
                 self._fall_back(request_id, remote.address, transfer, exc)
         finally:
