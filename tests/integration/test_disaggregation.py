@@ -1,0 +1,228 @@
+"""Prefill and decode as separate processes on the real model, against a colocated worker.
+
+Processes: a prefill worker (P), a decode worker (D), a router over both (R), and a colocated worker (C)
+as the reference. Every request through R is prefilled on P, its KV shipped over gRPC to D, and decoded
+there; the same request on C runs in one engine. Greedy fp32 tokens must be identical, with KV bytes
+actually transferred and no fallback. Then: a cancel storm, and P killed under load.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
+from services.codec.tokenizer import Tokenizer
+from services.common.proto_convert import sampling_to_proto
+from services.common.sampling import SamplingParams
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.reference_prompts import long_text
+from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+
+TOKEN = "pd-test-token"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+
+
+class PDStack:
+    def __init__(self, model_dir: Path, logs: Path) -> None:
+        env = stack_env(
+            TOKEN,
+            KVRELAY_MODEL__DTYPE="float32",
+            KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="256",
+            KVRELAY_ENGINE__MAX_MODEL_LEN="4096",
+        )
+        self.addresses = {name: f"127.0.0.1:{free_port()}" for name in ("prefill", "decode", "colocated")}
+        self.workers = {
+            name: Proc(
+                [
+                    "worker",
+                    "--model",
+                    str(model_dir),
+                    "--role",
+                    name,
+                    "--port",
+                    address.split(":")[1],
+                    "--threads",
+                    "1",
+                    "--name",
+                    name,
+                ],
+                env,
+                logs / f"{name}.log",
+            )
+            for name, address in self.addresses.items()
+        }
+        self.router_address = f"127.0.0.1:{free_port()}"
+        pool = ",".join([self.addresses["prefill"], self.addresses["decode"]])
+        self.router = Proc(
+            ["router", "--port", self.router_address.split(":")[1], "--workers", pool],
+            env,
+            logs / "router.log",
+        )
+        for name, proc in self.workers.items():
+            wait_serving(self.addresses[name], proc)
+        wait_serving(self.router_address, self.router)
+        self._wait_router_sees_both_pools()
+
+    def stub(self, name: str) -> worker_pb2_grpc.WorkerStub:
+        address = self.router_address if name == "router" else self.addresses[name]
+        return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+
+    def _wait_router_sees_both_pools(self) -> None:
+        status = worker_pb2_grpc.RouterStub(grpc.insecure_channel(self.router_address))
+        for _ in range(100):
+            replicas = status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas
+            if sorted(r.role for r in replicas if r.ready) == ["decode", "prefill"]:
+                return
+            time.sleep(0.2)
+        raise TimeoutError("the router never saw a ready prefill and decode replica")
+
+    def wait_prefill_ejected(self) -> None:
+        status = worker_pb2_grpc.RouterStub(grpc.insecure_channel(self.router_address))
+        for _ in range(100):
+            replicas = status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas
+            if not any(r.ready and r.role == "prefill" for r in replicas):
+                return
+            time.sleep(0.1)
+        raise TimeoutError("the router still uses the dead prefill replica")
+
+    def stop(self) -> None:
+        for proc in [self.router, *self.workers.values()]:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
+    stack = PDStack(model_dir, tmp_path_factory.mktemp("pd-logs"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> dict[str, list[int]]:
+    tokenizer = Tokenizer.from_dir(model_dir)
+    template = chat_template_from_tokenizer(tokenizer)
+    question = "Summarize this text in two sentences.\n\n"
+
+    def chat(text: str) -> list[int]:
+        return render_and_encode(template, tokenizer, [{"role": "user", "content": text}])
+
+    out = {
+        "chat-short": chat("What is the capital of France?"),
+        "raw-short": tokenizer.encode("The capital of France is", add_special_tokens=True),
+        "chat-long": chat(question + long_text(88, 1)),
+        "raw-long": tokenizer.encode(long_text(88, 2), add_special_tokens=True),
+    }
+    assert len(out["chat-long"]) > 1500 and len(out["raw-long"]) > 1500
+    return out
+
+
+def generate(stub: worker_pb2_grpc.WorkerStub, rid: str, prompt: list[int], **sampling: object
+             ) -> tuple[list[int], pb.GenerateResponse]:  # fmt: skip
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **sampling})  # type: ignore[arg-type]
+    request = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
+    tokens: list[int] = []
+    last = pb.GenerateResponse()
+    for response in stub.Generate(request, metadata=MD, timeout=300):
+        tokens.extend(response.token_ids)
+        last = response
+    return tokens, last
+
+
+def test_remote_prefill_matches_colocated_token_for_token(pd: PDStack, prompts: dict[str, list[int]]) -> None:
+    router, colocated = pd.stub("router"), pd.stub("colocated")
+    for name in ("chat-short", "raw-short", "chat-long", "raw-long"):
+        for turn in ("cold", "warm"):  # the second time, the prefix caches (P's and D's) hit
+            rid = f"{name}-{turn}"
+            got, last = generate(router, rid, prompts[name])
+            want, _ = generate(colocated, rid, prompts[name])
+            assert got == want, f"{rid}: disaggregated tokens differ from colocated"
+            assert last.prefill_mode == pb.PREFILL_MODE_REMOTE, f"{rid}: fell back or ran locally"
+            sent_tokens = last.kv_transfer_bytes // (30 * 2 * 3 * 64 * 4)  # SmolLM2: fp32 KV per token
+            if turn == "cold":  # D may hold the chat template's shared opening already
+                assert 0 < len(prompts[name]) - sent_tokens < 48 or sent_tokens == len(prompts[name])
+            else:
+                assert 0 < sent_tokens <= 16, "D's cached prefix must not be sent again"
+                assert last.num_cached_tokens >= len(prompts[name]) - 16
+
+
+def test_seeded_sampling_is_the_same_colocated_and_disaggregated(
+    pd: PDStack, prompts: dict[str, list[int]]
+) -> None:
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 4242, "max_tokens": 32}
+    got, last = generate(pd.stub("router"), "seeded", prompts["chat-short"], **sampling)
+    want, _ = generate(pd.stub("colocated"), "seeded", prompts["chat-short"], **sampling)
+    assert got == want and last.prefill_mode == pb.PREFILL_MODE_REMOTE
+
+
+def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 20.0) -> pb.LoadResponse:
+    deadline = time.monotonic() + timeout
+    load = pb.LoadResponse()
+    while time.monotonic() < deadline:
+        load = stub.Load(pb.LoadRequest(), metadata=MD)
+        if load.running == load.waiting == load.kv_blocks.active == 0:
+            return load
+        time.sleep(0.1)
+    raise AssertionError(f"not idle after {timeout}s: {load}")
+
+
+def test_cancel_storm_frees_everything_on_both_sides(pd: PDStack, prompts: dict[str, list[int]]) -> None:
+    router = pd.stub("router")
+    calls = []
+    for i in range(24):
+        prompt = prompts["raw-long"] if i % 3 == 0 else prompts["chat-short"]
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        request = pb.GenerateRequest(
+            request_id=f"storm-{i}",
+            prompt_token_ids=[*prompt[:-1], 100 + i],
+            sampling=sampling_to_proto(params),
+        )
+        calls.append(router.Generate(request, metadata=MD, timeout=120))
+    time.sleep(0.5)  # some in prefill on P
+    for call in calls[::2]:
+        call.cancel()
+    for call in calls[1::2]:  # the rest once their first tokens arrive (in decode on D)
+        next(iter(call), None)
+        call.cancel()
+    for name in ("prefill", "decode"):
+        wait_idle(pd.stub(name))
+
+
+def test_killing_prefill_under_load_fails_no_request(
+    pd: PDStack, prompts: dict[str, list[int]], tmp_path: Path
+) -> None:
+    router, decode = pd.stub("router"), pd.stub("decode")
+    before = decode.Load(pb.LoadRequest(), metadata=MD)
+    results: dict[int, tuple[list[int], pb.GenerateResponse] | BaseException] = {}
+
+    def run(i: int) -> None:
+        prompt = [*prompts["raw-long"][:-1], 200 + i]
+        try:
+            results[i] = generate(router, f"kill-{i}", prompt, max_tokens=48)
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    pd.workers["prefill"].popen.kill()
+    for thread in threads:
+        thread.join(300)
+    failures = {i: r for i, r in results.items() if isinstance(r, BaseException)}
+    assert len(results) == 6 and not failures, failures
+    modes = [r[1].prefill_mode for r in results.values() if not isinstance(r, BaseException)]
+    assert pb.PREFILL_MODE_FALLBACK in modes, "P died mid-prefill: some request must have been recomputed"
+    assert set(modes) <= {pb.PREFILL_MODE_REMOTE, pb.PREFILL_MODE_FALLBACK, pb.PREFILL_MODE_LOCAL}
+    assert all(len(r[0]) == 48 for r in results.values() if not isinstance(r, BaseException))
+    after = wait_idle(decode)
+    assert after.prefill_fallbacks_total > before.prefill_fallbacks_total
+    pd.wait_prefill_ejected()  # then new requests are prefilled on D
+    tokens, last = generate(router, "after-kill", prompts["chat-short"])
+    assert len(tokens) == 24 and last.prefill_mode == pb.PREFILL_MODE_LOCAL
