@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/manifest.json
 PORT ?= 8000
-MODE ?=
+# make serve's shape: disaggregated (1 prefill + 1 decode worker, threads split) or colocated
+MODE ?= disaggregated
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test lint unit bench fixtures protos clean
@@ -26,7 +27,7 @@ $(MODEL_STAMP): $(STAMP)
 	$(KVRELAY) models prepare --out $(MODEL_DIR)
 
 serve: setup
-	$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) $(if $(MODE),--mode $(MODE),)
+	$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests scripts

@@ -2,6 +2,10 @@
 
 The stack's URL comes from --url, else KVRELAY_URL, else http://127.0.0.1:8000. A stack that does not
 answer is one clear line on stderr and exit code 1.
+
+Workers show their role (colocated, prefill or decode) and, in a disaggregated stack, their KV transfer
+counters: bytes sent (prefill) or received (decode), remote prefills, and remote prefills that fell back
+to a local recompute. `--json` prints the codec's document unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ COLUMNS = (
     "REQUESTS",
     "KV ACTIVE/CACHED/FREE/TOTAL",
     "PREFIX HITS/QUERIES",
+    "KV XFER BYTES",
+    "REMOTE/FALLBACKS",
 )
 
 
@@ -101,6 +107,8 @@ def _row(service: Mapping[str, Any]) -> list[str]:
         _cell(service.get("requests_total")),
         "/".join(_cell(kv.get(key)) for key in ("active", "cached", "free", "total")),
         "/".join(_cell(prefix.get(key)) for key in ("hits", "queries")),
+        _cell(service.get("kv_transfer_bytes_total")),
+        "/".join(_cell(service.get(key)) for key in ("remote_prefills_total", "prefill_fallbacks_total")),
     ]
 
 

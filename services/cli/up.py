@@ -1,7 +1,13 @@
 """`kvrelay up`: the whole stack on one machine (workers, router, codec), supervised until Ctrl-C.
 
-Ports come from one base: codec = base (the public HTTP port), router = base + 1, worker i = base + 2 + i;
-`--port 0` takes a free port for each. Internal services listen on 127.0.0.1 only. A random internal
+Two shapes (`--mode`): colocated (default), `--workers N` processes that each prefill and decode; and
+disaggregated, `--prefill-replicas P` prefill workers then `--decode-replicas M` decode workers (1 each by
+default), which the router pairs per request (the decode replica pulls the prompt's KV from a prefill one).
+Every worker gets `--role` and an even share of the cores (`threads_per_worker`).
+
+Ports come from one base: codec = base (the public HTTP port), router = base + 1, worker i = base + 2 + i
+(in disaggregated mode the prefill workers come first, then the decode ones); `--port 0` takes a free
+port for each. Internal services listen on 127.0.0.1 only. A random internal
 token reaches the children through the environment (KVRELAY_INTERNAL_TOKEN): never on argv, never logged.
 Every child gets the same validated config, written to a temporary file for the stack's lifetime.
 """
@@ -19,6 +25,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from services.cli.probes import LIVENESS_SERVICE, GrpcHealthCheck, HttpReadyCheck
 from services.cli.supervisor import Role, ServiceSpec, Supervisor, SupervisorOptions
@@ -28,7 +35,11 @@ from services.common.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
-MODES = ("colocated",)
+COLOCATED = "colocated"
+DISAGGREGATED = "disaggregated"
+MODES = (COLOCATED, DISAGGREGATED)
+PREFILL = "prefill"
+DECODE = "decode"
 INTERNAL_HOST = "127.0.0.1"
 TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
 TOKEN_FILE_ENV = "KVRELAY_INTERNAL_TOKEN_FILE"
@@ -38,7 +49,15 @@ LIVENESS_TIMEOUT_S = 2.0
 
 
 class UpError(KvrelayError):
-    """`kvrelay up` cannot start the stack as asked: an unknown mode, a bad worker count, busy ports."""
+    """`kvrelay up` cannot start the stack as asked: an unknown mode, a bad worker count, a count flag
+    of the other mode, busy ports."""
+
+
+class WorkerSlot(NamedTuple):
+    """One worker process of the stack: its service name and its `kvrelay worker --role`."""
+
+    name: str
+    role: str
 
 
 @dataclass(frozen=True)
@@ -46,10 +65,16 @@ class StackPorts:
     codec: int
     router: int
     workers: tuple[int, ...]
+    worker_names: tuple[str, ...] = ()  # one per worker port; empty means worker-0, worker-1, ...
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The workers' service names, in port order."""
+        return self.worker_names or tuple(f"worker-{i}" for i in range(len(self.workers)))
 
     def all(self) -> list[tuple[str, int]]:
         """(service name, port) for every service, in start order."""
-        named = [(f"worker-{i}", port) for i, port in enumerate(self.workers)]
+        named = list(zip(self.names, self.workers, strict=True))
         return [*named, ("router", self.router), ("codec", self.codec)]
 
 
@@ -64,12 +89,30 @@ class StackPlan:
     threads_per_worker: int
     env: Mapping[str, str]
     grpc_port: int | None = None  # the codec's public gRPC API (off when None)
+    mode: str = COLOCATED
+    worker_roles: tuple[str, ...] = ()  # one per worker port; empty means every worker is colocated
+
+    def workers(self) -> list[WorkerSlot]:
+        """Name and role of every worker, in port order."""
+        roles = self.worker_roles or (COLOCATED,) * len(self.ports.workers)
+        return [WorkerSlot(n, r) for n, r in zip(self.ports.names, roles, strict=True)]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole stack locally (workers, router, codec), supervised")
-    p.add_argument("--mode", default="colocated", help="deployment shape; only 'colocated' exists for now")
-    p.add_argument("--workers", type=int, default=1, help="number of colocated workers (default 1)")
+    p.add_argument(
+        "--mode",
+        default=COLOCATED,
+        help="deployment shape: colocated (default; each worker prefills and decodes) or disaggregated "
+        "(prefill workers and decode workers; `make serve` uses it)",
+    )
+    p.add_argument("--workers", type=int, default=None, help="number of colocated workers (default 1)")
+    p.add_argument(
+        "--prefill-replicas", type=int, default=None, help="disaggregated mode: prefill workers (default 1)"
+    )
+    p.add_argument(
+        "--decode-replicas", type=int, default=None, help="disaggregated mode: decode workers (default 1)"
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -90,10 +133,66 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def derive_ports(base_port: int, num_workers: int, free_ports: Callable[[int], list[int]]) -> StackPorts:
-    """codec = base, router = base + 1, worker i = base + 2 + i; base 0 asks `free_ports` for them all."""
+def plan_workers(
+    mode: str,
+    workers: int | None = None,
+    prefill_replicas: int | None = None,
+    decode_replicas: int | None = None,
+) -> list[WorkerSlot]:
+    """The workers of a `mode` stack, in port order. Colocated: `workers` (default 1) named worker-i.
+    Disaggregated: prefill-i then decode-j (1 of each by default). A count flag of the other mode, an
+    unknown mode or a count below 1 is an UpError."""
+    if mode == COLOCATED:
+        _reject_flags(mode, {"--prefill-replicas": prefill_replicas, "--decode-replicas": decode_replicas})
+        num_workers = _count("--workers", workers)
+        return [WorkerSlot(f"worker-{i}", COLOCATED) for i in range(num_workers)]
+    if mode == DISAGGREGATED:
+        _reject_flags(mode, {"--workers": workers})
+        num_prefill = _count("--prefill-replicas", prefill_replicas)
+        num_decode = _count("--decode-replicas", decode_replicas)
+        return [WorkerSlot(f"{PREFILL}-{i}", PREFILL) for i in range(num_prefill)] + [
+            WorkerSlot(f"{DECODE}-{i}", DECODE) for i in range(num_decode)
+        ]
+    raise UpError(
+        f"--mode {mode} is not a deployment shape: pick colocated (each worker prefills and decodes) "
+        "or disaggregated (prefill workers and decode workers)"
+    )
+
+
+def _count(flag: str, value: int | None) -> int:
+    """A worker count: 1 when not given, else at least 1."""
+    if value is None:
+        return 1
+    if value < 1:
+        raise UpError(f"{flag} must be at least 1, got {value}")
+    return value
+
+
+def _reject_flags(mode: str, flags: Mapping[str, int | None]) -> None:
+    """Count flags that belong to the other mode are an error, not silently ignored."""
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return
+    hint = (
+        "colocated workers are counted by --workers"
+        if mode == COLOCATED
+        else "it counts prefill and decode workers with --prefill-replicas and --decode-replicas"
+    )
+    raise UpError(f"--mode {mode} does not take {', '.join(given)}: {hint}")
+
+
+def derive_ports(
+    base_port: int,
+    num_workers: int,
+    free_ports: Callable[[int], list[int]],
+    worker_names: tuple[str, ...] = (),
+) -> StackPorts:
+    """codec = base, router = base + 1, worker i = base + 2 + i; base 0 asks `free_ports` for them all.
+    `worker_names`, when given, names the workers (one per worker) in errors and logs."""
     if num_workers < 1:
         raise UpError(f"--workers must be at least 1, got {num_workers}")
+    if worker_names and len(worker_names) != num_workers:
+        raise ValueError(f"{len(worker_names)} worker names for {num_workers} workers")
     num_ports = num_workers + 2
     if base_port == 0:
         ports = free_ports(num_ports)
@@ -104,11 +203,13 @@ def derive_ports(base_port: int, num_workers: int, free_ports: Callable[[int], l
             f"--port {base_port} leaves no room for {num_ports} ports (codec, router, {num_workers} "
             f"worker(s)) below {MAX_PORT + 1}; pick a lower port or 0 for free ones"
         )
-    return StackPorts(codec=ports[0], router=ports[1], workers=tuple(ports[2:]))
+    return StackPorts(codec=ports[0], router=ports[1], workers=tuple(ports[2:]), worker_names=worker_names)
 
 
 def threads_per_worker(num_cores: int, num_workers: int) -> int:
-    """An even split of the cores, so the workers' threads add up to at most the cores (at least 1)."""
+    """An even split of the cores over every worker, whatever its role, so the workers' threads add up to
+    at most the cores (at least 1). Prefill and decode get equal shares: prefill is compute-bound but
+    runs once per request, decode runs every step; 1 prefill + 1 decode on 2 cores is 1 thread each."""
     return max(1, num_cores // num_workers)
 
 
@@ -142,12 +243,11 @@ def build_specs(plan: StackPlan, python: str = sys.executable) -> list[ServiceSp
     worker_addresses = [f"{INTERNAL_HOST}:{port}" for port in plan.ports.workers]
     router_address = f"{INTERNAL_HOST}:{plan.ports.router}"
     specs = []
-    for i, (port, address) in enumerate(zip(plan.ports.workers, worker_addresses, strict=True)):
-        name = f"worker-{i}"
+    for (name, role), port, address in zip(plan.workers(), plan.ports.workers, worker_addresses, strict=True):
         flags = {
             **config,
             **model,
-            "--role": "colocated",
+            "--role": role,
             **_listen(INTERNAL_HOST, port),
             "--threads": str(plan.threads_per_worker),
             "--name": name,
@@ -183,11 +283,7 @@ def public_url(host: str, port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("up")
-    if args.mode not in MODES:
-        raise UpError(
-            f"--mode {args.mode} is not available yet: only {', '.join(MODES)} (one process "
-            "per worker doing both prefill and decode); disaggregated serving comes later"
-        )
+    workers = plan_workers(args.mode, args.workers, args.prefill_replicas, args.decode_replicas)
     if args.grace_seconds < 0:
         raise UpError(f"--grace-seconds must be 0 or more, got {args.grace_seconds}")
     cfg = load_config(args.config)
@@ -197,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
             f"model directory {model_dir} does not exist; run `kvrelay models prepare` or pass --model"
         )
     host = args.host or cfg.server.host
-    ports = derive_ports(cfg.server.port if args.port is None else args.port, args.workers, free_ports)
+    base_port = cfg.server.port if args.port is None else args.port
+    ports = derive_ports(base_port, len(workers), free_ports, tuple(w.name for w in workers))
     if args.port != 0:
         _check_ports_free(host, ports)
     with tempfile.TemporaryDirectory(prefix="kvrelay-up-") as tmp:
@@ -206,9 +303,11 @@ def run(args: argparse.Namespace) -> int:
             ports=ports,
             config_path=_write_config(Path(tmp), cfg, model_dir, host, ports.codec),
             model_dir=model_dir,
-            threads_per_worker=threads_per_worker(available_cores(), args.workers),
+            threads_per_worker=threads_per_worker(available_cores(), len(workers)),
             env=child_env(os.environ, secrets.token_urlsafe(32)),
             grpc_port=args.grpc_port,
+            mode=args.mode,
+            worker_roles=tuple(w.role for w in workers),
         )
         return _supervise(plan, args.grace_seconds)
 
@@ -218,11 +317,12 @@ def _supervise(plan: StackPlan, grace_s: float) -> int:
     log.info(
         "starting the stack",
         extra={
-            "mode": "colocated",
+            "mode": plan.mode,
             "url": url,
             "ports": dict(plan.ports.all()),
             "model": str(plan.model_dir),
             "num_workers": len(plan.ports.workers),
+            "workers": {w.name: w.role for w in plan.workers()},
             "threads_per_worker": plan.threads_per_worker,
         },
     )

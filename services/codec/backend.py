@@ -79,6 +79,11 @@ class ServiceStatus:
     requests_total: int = 0
     kv_blocks: dict[str, int] = field(default_factory=dict)  # total, active, cached, free
     prefix_cache: dict[str, int] = field(default_factory=dict)  # queries, hits
+    # Workers only (None elsewhere): KV bytes sent (prefill) or received (decode), remote prefills, and
+    # remote prefills that fell back to a local recompute.
+    kv_transfer_bytes_total: int | None = None
+    remote_prefills_total: int | None = None
+    prefill_fallbacks_total: int | None = None
 
 
 class Backend(Protocol):

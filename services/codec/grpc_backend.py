@@ -131,4 +131,7 @@ def _replica_status(replica: pb.Replica) -> ServiceStatus:
         requests_total=load.requests_total,
         kv_blocks={"total": kv.total, "active": kv.active, "cached": kv.cached, "free": kv.free},
         prefix_cache={"queries": load.prefix_cache_queries, "hits": load.prefix_cache_hits},
+        kv_transfer_bytes_total=load.kv_transfer_bytes_total,
+        remote_prefills_total=load.remote_prefills_total,
+        prefill_fallbacks_total=load.prefill_fallbacks_total,
     )

@@ -70,9 +70,22 @@ class LimitsConfig(_Section):
 class DisaggregationConfig(_Section):
     """Prefill/decode split (docs/disaggregation.md)."""
 
+    # always: every eligible request is prefilled remotely; conditional: when the router estimates it is
+    # cheaper (services/router/disaggregation.py); never: prefill pools are ignored.
+    policy: Literal["always", "conditional", "never"] = "conditional"
     transport: Literal["grpc", "torch"] = "grpc"
     transfer_timeout_ms: int = Field(default=30_000, gt=0)  # header plus every KV chunk, else recompute
     min_prompt_tokens: int = Field(default=0, ge=0)  # shorter prompts are prefilled on the decode replica
+
+
+class RouterConfig(_Section):
+    """Replica choice (docs/routing.md)."""
+
+    policy: Literal["cost", "least_loaded", "round_robin"] = "cost"
+    prefill_tokens_per_s: float = Field(default=1000.0, gt=0)  # a replica's prompt rate, for estimates
+    per_running_seq_ms: float = Field(default=2.0, ge=0)  # what one more stream adds to a decode step
+    affinity_load_factor: float = Field(default=1.25, ge=1.0)  # session affinity yields past this x mean
+    transfer_bytes_per_s: float = Field(default=1e9, gt=0)  # KV transfer rate until measured
 
 
 class ServerConfig(_Section):
@@ -88,6 +101,7 @@ class KvrelayConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     server: ServerConfig = ServerConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    router: RouterConfig = RouterConfig()
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> KvrelayConfig:

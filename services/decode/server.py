@@ -98,6 +98,7 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     counters = TransferCounters()
     senders, receivers = _transports()
     layout = kv_layout(core)
+    info.kv_bytes_per_token = layout.bytes_per_token
     remote = None
     if options.role != "prefill":
         timeout_s = config.disaggregation.transfer_timeout_ms / 1000

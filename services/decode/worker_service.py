@@ -102,6 +102,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.engine.abort(request.request_id)
         return pb.AbortResponse()
 
+    async def KVEvents(
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEventBatch]:
+        stream = self.engine.kv_events()
+        async with contextlib.aclosing(stream):
+            async for batch in stream:
+                yield pb.KVEventBatch(snapshot=batch.snapshot, stored=batch.stored, removed=batch.removed)
+
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return self.info
 

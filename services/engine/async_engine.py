@@ -64,9 +64,32 @@ def _settle(future: asyncio.Future[int | None], value: int | None, error: BaseEx
         future.set_result(value)
 
 
+@dataclass(frozen=True)
+class KVEventBatch:
+    """Changes to the prefix cache's block hashes; `snapshot` batches list everything cached."""
+
+    snapshot: bool
+    stored: list[bytes]
+    removed: list[bytes]
+
+
+MAX_PENDING_KV_BATCHES = 1024  # a subscriber this far behind is dropped; it re-subscribes for a snapshot
+
+
+@dataclass(eq=False)
+class _KVSubscriber:
+    loop: asyncio.AbstractEventLoop
+    batches: asyncio.Queue[KVEventBatch | None]
+
+    def deliver(self, batch: KVEventBatch | None) -> None:
+        self.loop.call_soon_threadsafe(self.batches.put_nowait, batch)
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
+        core.pool.record_events = True
+        self._kv_subscribers: list[_KVSubscriber] = []
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -201,6 +224,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
 
+    async def kv_events(self) -> AsyncGenerator[KVEventBatch, None]:
+        """A snapshot of the cached block hashes, then every change, until the caller stops (or falls
+        more than MAX_PENDING_KV_BATCHES behind, when the stream ends and the caller re-subscribes)."""
+        subscriber = _KVSubscriber(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(lambda: self._subscribe(subscriber))
+        try:
+            while (batch := await subscriber.batches.get()) is not None:
+                yield batch
+        finally:
+            self._submit(lambda: self._unsubscribe(subscriber))
+
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -234,6 +268,30 @@ class AsyncEngine:
             if stream is not None:
                 stream.deliver(exc)
 
+    def _subscribe(self, subscriber: _KVSubscriber) -> None:
+        subscriber.deliver(KVEventBatch(True, self.core.pool.cached_hashes(), []))
+        self._kv_subscribers.append(subscriber)
+
+    def _unsubscribe(self, subscriber: _KVSubscriber) -> None:
+        if subscriber in self._kv_subscribers:
+            self._kv_subscribers.remove(subscriber)
+
+    def _publish_kv_events(self) -> None:
+        events = self.core.pool.take_events()
+        if not events or not self._kv_subscribers:
+            return
+        batch = KVEventBatch(
+            False,
+            [e.block_hash for e in events if e.kind == "stored"],
+            [e.block_hash for e in events if e.kind == "removed"],
+        )
+        for subscriber in list(self._kv_subscribers):
+            if subscriber.batches.qsize() > MAX_PENDING_KV_BATCHES:
+                self._kv_subscribers.remove(subscriber)
+                subscriber.deliver(None)
+            else:
+                subscriber.deliver(batch)
+
     def _abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         seq_ids = stream.seq_ids if stream else []
@@ -245,12 +303,14 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._drain_commands()
+                self._publish_kv_events()
                 if not self.core.has_work():
                     self._stats = self.core.stats()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 outputs = self.core.step()
+                self._publish_kv_events()
                 self.last_step_time = time.monotonic()
                 self._stats = self.core.stats()
                 for output in outputs:

@@ -119,6 +119,15 @@ class BlockPool:
         if self.record_events:
             self.events.append(KVEvent("stored", block_hash))
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash the cache holds now (active or evictable): a snapshot for KV events."""
+        return list(self._cached)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return

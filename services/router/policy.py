@@ -1,30 +1,159 @@
-"""Replica choice, as pure code over plain data. The cost-based policy comes with the router issue."""
+"""Replica choice, as pure code over plain data: no I/O, no clocks, randomness injected.
+
+`CostPolicy` estimates, for each candidate, how long this request would take to get its first token
+there, plus what it would cost the streams already running there:
+
+    queue_s   = tokens queued ahead of it (prompts the router dispatched and not yet started, plus the
+                replica's own waiting count at an assumed prompt size) / prefill rate
+    prefill_s = prompt tokens the replica does not hold in its prefix cache / prefill rate
+    decode_s  = running streams x the time one more sequence adds to a decode step
+
+and picks at random among the candidates within `slack` of the cheapest (bounded randomisation: equal
+replicas share the load instead of herding to one). `RoundRobin` and `LeastLoaded` stay for comparison.
+
+Session affinity (`AffinityRing`) maps a session key to a replica by consistent hashing with bounded load:
+walk the ring from the key's point and take the first replica whose load is within `load_factor` times
+the mean (plus one), so affinity gives way when its replica is overloaded.
+"""
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    in_flight: int  # requests this router has sent and not yet seen finish
-    waiting: int  # the replica's own queue, from its last load report
+    in_flight: int = 0  # requests this router sent there and has not seen finish
+    waiting: int = 0  # the replica's own queue, from its last load report
+    running: int = 0  # from its last load report
+    queued_tokens: int = 0  # prompt tokens this router dispatched there whose first token has not come
+    cached_tokens: int = 0  # leading prompt tokens this replica holds in its prefix cache
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.waiting
 
 
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    reason: str
+    cost_s: float | None = None
+
+
+class Policy(Protocol):
+    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Choice | None: ...
+
+
+@dataclass
+class RoundRobin:
+    _turn: int = 0
+
+    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Choice | None:
+        if not candidates:
+            return None
+        pick = sorted(candidates, key=lambda c: c.name)[self._turn % len(candidates)]
+        self._turn += 1
+        return Choice(pick.name, "round_robin")
+
+
+@dataclass
 class LeastLoaded:
     """Fewest outstanding requests (our own in-flight count plus the replica's queue); ties rotate."""
 
-    def __init__(self) -> None:
-        self._turn = 0
+    _turn: int = 0
 
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate | None:
+    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Choice | None:
         if not candidates:
             return None
         self._turn += 1
-        ordered = sorted(
-            enumerate(candidates),
-            key=lambda ic: (ic[1].in_flight + ic[1].waiting, (ic[0] - self._turn) % len(candidates)),
+        n = len(candidates)
+        ordered = sorted(enumerate(candidates), key=lambda ic: (ic[1].load, (ic[0] - self._turn) % n))
+        return Choice(ordered[0][1].name, "least_loaded")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates for the estimates. The defaults fit SmolLM2 on a few CPU cores; GPU pools set their own."""
+
+    prefill_tokens_per_s: float = 1000.0
+    per_running_seq_s: float = 0.002  # what one more running sequence adds to a decode step
+    assumed_waiting_prompt_tokens: int = 256  # a queued request the router knows only by count
+
+    def queue_s(self, c: Candidate) -> float:
+        tokens = c.queued_tokens + c.waiting * self.assumed_waiting_prompt_tokens
+        return tokens / self.prefill_tokens_per_s
+
+    def prefill_s(self, c: Candidate, num_prompt_tokens: int) -> float:
+        return max(0, num_prompt_tokens - c.cached_tokens) / self.prefill_tokens_per_s
+
+    def decode_s(self, c: Candidate) -> float:
+        return (c.running + c.in_flight) * self.per_running_seq_s
+
+    def cost_s(self, c: Candidate, num_prompt_tokens: int) -> float:
+        return self.queue_s(c) + self.prefill_s(c, num_prompt_tokens) + self.decode_s(c)
+
+
+@dataclass
+class CostPolicy:
+    model: CostModel = field(default_factory=CostModel)
+    slack_s: float = 0.005  # candidates this close to the cheapest are equals
+    slack_ratio: float = 0.1
+    rng: random.Random = field(default_factory=random.Random)
+
+    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Choice | None:
+        if not candidates:
+            return None
+        costs = [(self.model.cost_s(c, num_prompt_tokens), c) for c in candidates]
+        best = min(cost for cost, _ in costs)
+        bound = best + max(self.slack_s, best * self.slack_ratio)
+        near = [(cost, c) for cost, c in costs if cost <= bound]
+        cost, pick = self.rng.choice(near)
+        reason = "prefix_overlap" if pick.cached_tokens and len(near) < len(costs) else "lowest_cost"
+        return Choice(pick.name, reason, cost)
+
+
+@dataclass
+class AffinityRing:
+    """Consistent hashing with bounded load over the current replica names."""
+
+    virtual_nodes: int = 64
+    load_factor: float = 1.25
+    _points: list[tuple[int, str]] = field(default_factory=list)
+    _names: tuple[str, ...] = ()
+
+    def choose(self, session_key: str, candidates: Sequence[Candidate]) -> Choice | None:
+        if not session_key or not candidates:
+            return None
+        self._rebuild(tuple(sorted(c.name for c in candidates)))
+        by_name = {c.name: c for c in candidates}
+        bound = self.load_factor * sum(c.load for c in candidates) / len(candidates) + 1
+        start = bisect.bisect(self._points, (_point(session_key), ""))
+        seen: set[str] = set()
+        for i in range(len(self._points)):
+            name = self._points[(start + i) % len(self._points)][1]
+            if name in seen:
+                continue
+            seen.add(name)
+            if by_name[name].load <= bound:
+                reason = "session_affinity" if len(seen) == 1 else "session_affinity_overflow"
+                return Choice(name, reason)
+        return None
+
+    def _rebuild(self, names: tuple[str, ...]) -> None:
+        if names == self._names:
+            return
+        self._names = names
+        self._points = sorted(
+            (_point(f"{name}#{v}"), name) for name in names for v in range(self.virtual_nodes)
         )
-        return ordered[0][1]
+
+
+def _point(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")

@@ -1,64 +1,148 @@
 """The router's gRPC face: the Worker API, forwarded to a chosen replica, plus Replicas for status.
 
-A request is retried on another replica only when the chosen one is unavailable before any token went
-out. A client that goes away cancels the forwarded call, which aborts the request on the worker.
+Per request: hash the prompt's blocks once (with the tenant salt, as the replicas do) and read each
+replica's cached prefix from the prefix index; pick the decode replica (session affinity first, through
+consistent hashing with bounded load, else the configured policy); then decide whether a prefill
+replica runs the prompt (services/router/disaggregation.py). The decision and its reason go to the
+request's log line and to `decisions`. A request is retried on another replica only while no token has
+gone out; the replica that failed is ejected. A client that goes away cancels the forwarded call, which
+aborts the request on the worker.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
-from services.common.config import DisaggregationConfig
+from services.common.config import DisaggregationConfig, RouterConfig
 from services.common.grpc_auth import request_id_of
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
-from services.router.policy import Candidate, LeastLoaded
+from services.router.disaggregation import Decision, TransferModel, decide
+from services.router.policy import (
+    AffinityRing,
+    Candidate,
+    Choice,
+    CostModel,
+    CostPolicy,
+    LeastLoaded,
+    Policy,
+    RoundRobin,
+)
 from services.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 DECODE_ROLES = frozenset({"colocated", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
+BANDWIDTH_EWMA = 0.2
+
+
+def make_policy(config: RouterConfig, costs: CostModel) -> Policy:
+    if config.policy == "round_robin":
+        return RoundRobin()
+    if config.policy == "least_loaded":
+        return LeastLoaded()
+    return CostPolicy(costs)
+
+
+@dataclass
+class _Route:
+    decode: Replica
+    choice: Choice
+    prefill: Replica | None
+    decision: Decision
+    num_prompt_tokens: int
 
 
 class RouterService(worker_pb2_grpc.WorkerServicer):
-    """Streams come from a decode (or colocated) replica. When prefill replicas are ready, the router
-    also picks one per request and names it in `remote_prefill`; the decode replica pulls the KV from it
-    (and recomputes locally if that fails). Requests with n > 1, or prompts shorter than
-    `disaggregation.min_prompt_tokens`, are prefilled on the decode replica."""
-
-    def __init__(self, replicas: ReplicaSet, disaggregation: DisaggregationConfig | None = None) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        disaggregation: DisaggregationConfig | None = None,
+        config: RouterConfig | None = None,
+    ) -> None:
         self.replicas = replicas
         self.disaggregation = disaggregation or DisaggregationConfig()
-        self.policy = LeastLoaded()
-        self.prefill_policy = LeastLoaded()
+        self.config = config or RouterConfig()
+        self.costs = CostModel(self.config.prefill_tokens_per_s, self.config.per_running_seq_ms / 1000)
+        self.policy = make_policy(self.config, self.costs)
+        self.prefill_policy = make_policy(self.config, self.costs)
+        self.affinity = AffinityRing(load_factor=self.config.affinity_load_factor)
+        self.transfer_bytes_per_s = self.config.transfer_bytes_per_s
         self.requests_total = 0
+        self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
 
-    def choose(self, exclude: set[str], roles: frozenset[str] = DECODE_ROLES) -> Replica | None:
-        usable = {
-            r.name: r
-            for r in self.replicas.usable()
-            if r.name not in exclude and r.info is not None and r.info.role in roles
-        }
-        policy = self.prefill_policy if roles == PREFILL_ROLES else self.policy
-        pick = policy.choose([Candidate(r.name, r.in_flight, r.load.waiting) for r in usable.values()])
-        return usable[pick.name] if pick else None
+    # -- choosing -------------------------------------------------------------------------------------
 
-    def _with_prefill(self, request: pb.GenerateRequest) -> tuple[pb.GenerateRequest, Replica | None]:
-        too_short = len(request.prompt_token_ids) < self.disaggregation.min_prompt_tokens
-        if (request.sampling.n or 1) > 1 or too_short:
-            return request, None
-        prefill = self.choose(set(), PREFILL_ROLES)
-        if prefill is None:
-            return request, None
-        forwarded = pb.GenerateRequest()
-        forwarded.CopyFrom(request)
-        forwarded.remote_prefill.address = prefill.address
-        forwarded.remote_prefill.transport = self.disaggregation.transport
-        return forwarded, prefill
+    def _candidates(
+        self, roles: frozenset[str], exclude: set[str], block_hashes: list[bytes], block_size: int
+    ) -> dict[str, tuple[Replica, Candidate]]:
+        out = {}
+        for r in self.replicas.usable(roles):
+            if r.name in exclude:
+                continue
+            load = r.load
+            out[r.name] = (
+                r,
+                Candidate(
+                    r.name,
+                    r.in_flight,
+                    load.waiting,
+                    load.running,
+                    r.queued_tokens,
+                    r.cached_tokens(block_hashes, block_size),
+                ),
+            )
+        return out
+
+    def route(self, request: pb.GenerateRequest, exclude: set[str]) -> _Route | None:
+        """The decode replica (and prefill replica, if any) for this request, skipping `exclude`."""
+        prompt = request.prompt_token_ids
+        hashes, block_size = self.replicas.prompt_block_hashes(prompt, bytes(request.tenant_salt))
+        decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size)
+        plain = [c for _, c in decodes.values()]
+        choice = self.affinity.choose(request.session_key, plain) or self.policy.choose(plain, len(prompt))
+        if choice is None:
+            return None
+        decode, decode_candidate = decodes[choice.name]
+        prefill, decision = self._prefill_for(request, decode, decode_candidate, hashes, block_size)
+        return _Route(decode, choice, prefill, decision, len(prompt))
+
+    def _prefill_for(
+        self,
+        request: pb.GenerateRequest,
+        decode: Replica,
+        decode_candidate: Candidate,
+        hashes: list[bytes],
+        block_size: int,
+    ) -> tuple[Replica | None, Decision]:
+        if self.disaggregation.policy == "never":
+            return None, Decision(False, "disaggregation_off")
+        prefills = self._candidates(PREFILL_ROLES, set(), hashes, block_size)
+        pick = self.prefill_policy.choose([c for _, c in prefills.values()], len(request.prompt_token_ids))
+        prefill = prefills[pick.name] if pick else None
+        info = decode.info
+        transfer = TransferModel(info.kv_bytes_per_token if info else 0, self.transfer_bytes_per_s)
+        decision = decide(
+            len(request.prompt_token_ids),
+            request.sampling.n or 1,
+            self.disaggregation.min_prompt_tokens,
+            prefill[1] if prefill else None,
+            decode_candidate,
+            self.costs,
+            transfer,
+        )
+        forced = self.disaggregation.policy == "always" and decision.reason == "local_cheaper"
+        if forced:
+            decision = Decision(True, "always", decision.remote_ttft_s, decision.local_ttft_s)
+        return (prefill[0] if prefill and decision.remote else None), decision
+
+    # -- forwarding -----------------------------------------------------------------------------------
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -68,50 +152,89 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         tried: set[str] = set()
         failure: tuple[grpc.StatusCode, str] | None = None
         while failure is None:
-            replica = self.choose(tried)
-            if replica is None:
+            route = self.route(request, tried)
+            if route is None:
                 failure = (grpc.StatusCode.UNAVAILABLE, "no ready worker")
                 break
-            tried.add(replica.name)
+            tried.add(route.decode.name)
             sent_any = False
-            forwarded, prefill = self._with_prefill(request)
-            call = replica.stub.Generate(
-                forwarded,
+            call = route.decode.stub.Generate(
+                self._forwarded(request, route),
                 metadata=self.replicas.tokens.metadata(request_id),
                 timeout=context.time_remaining(),
             )
-            replica.in_flight += 1
-            if prefill is not None:
-                prefill.in_flight += 1
+            self._dispatched(route, +1)
             try:
                 async for response in call:
-                    sent_any = True
+                    if not sent_any:
+                        sent_any = True
+                        self._first_token(route)
+                    self._learn_bandwidth(response)
                     yield response
-                log.info(
-                    "routed",
-                    extra={
-                        "request_id": request_id,
-                        "replica": replica.name,
-                        "prefill": prefill.name if prefill else None,
-                        "reason": "least_loaded",
-                    },
-                )
+                self._log_route(request_id, route)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRYABLE and not sent_any:
-                    replica.healthy = False
+                    self.replicas.record_failure(route.decode, exc.code().name)
                     log.warning(
                         "retrying on another replica",
-                        extra={"request_id": request_id, "replica": replica.name},
+                        extra={"request_id": request_id, "replica": route.decode.name},
                     )
                     continue
                 failure = (exc.code(), exc.details() or exc.code().name)
             finally:
-                replica.in_flight -= 1
-                if prefill is not None:
-                    prefill.in_flight -= 1
+                if not sent_any:
+                    self._first_token(route)
+                self._dispatched(route, -1)
                 call.cancel()
         await context.abort(*failure)
+
+    def _forwarded(self, request: pb.GenerateRequest, route: _Route) -> pb.GenerateRequest:
+        if route.prefill is None:
+            return request
+        forwarded = pb.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.remote_prefill.address = route.prefill.address
+        forwarded.remote_prefill.transport = self.disaggregation.transport
+        return forwarded
+
+    def _dispatched(self, route: _Route, delta: int) -> None:
+        for replica in (route.decode, route.prefill):
+            if replica is not None:
+                replica.in_flight += delta
+        if delta > 0:
+            route.decode.queued_tokens += route.num_prompt_tokens
+            if route.prefill is not None:
+                route.prefill.queued_tokens += route.num_prompt_tokens
+            self.decisions[("remote" if route.prefill else "local", route.decision.reason)] += 1
+
+    def _first_token(self, route: _Route) -> None:
+        """The prompt is done: it no longer waits ahead of others on either replica."""
+        for replica in (route.decode, route.prefill):
+            if replica is not None:
+                replica.queued_tokens = max(0, replica.queued_tokens - route.num_prompt_tokens)
+        route.num_prompt_tokens = 0
+
+    def _learn_bandwidth(self, response: pb.GenerateResponse) -> None:
+        if response.prefill_mode == pb.PREFILL_MODE_REMOTE and response.kv_transfer_seconds > 0:
+            rate = response.kv_transfer_bytes / response.kv_transfer_seconds
+            self.transfer_bytes_per_s += BANDWIDTH_EWMA * (rate - self.transfer_bytes_per_s)
+
+    def _log_route(self, request_id: str, route: _Route) -> None:
+        log.info(
+            "routed",
+            extra={
+                "request_id": request_id,
+                "replica": route.decode.name,
+                "reason": route.choice.reason,
+                "prefill": route.prefill.name if route.prefill else None,
+                "disaggregation": route.decision.reason,
+                "remote_ttft_s": _round(route.decision.remote_ttft_s),
+                "local_ttft_s": _round(route.decision.local_ttft_s),
+            },
+        )
+
+    # -- the rest of the Worker API -------------------------------------------------------------------
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         md = self.replicas.tokens.metadata(request.request_id)
@@ -123,7 +246,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         return pb.AbortResponse()
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        for replica in self.replicas.usable():
+        for replica in self.replicas.usable(DECODE_ROLES):
             if replica.info is not None:
                 info = pb.InfoResponse()
                 info.CopyFrom(replica.info)
@@ -142,6 +265,10 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         )
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 class RouterStatusService(worker_pb2_grpc.RouterServicer):
     def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
@@ -151,13 +278,7 @@ class RouterStatusService(worker_pb2_grpc.RouterServicer):
     ) -> pb.ReplicasResponse:
         return pb.ReplicasResponse(
             replicas=[
-                pb.Replica(
-                    name=r.name,
-                    role=r.info.role if r.info else "unknown",
-                    address=r.address,
-                    ready=r.usable,
-                    load=r.load,
-                )
+                pb.Replica(name=r.name, role=r.role, address=r.address, ready=r.usable, load=r.load)
                 for r in self.replicas.replicas
             ]
         )

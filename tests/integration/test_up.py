@@ -1,5 +1,6 @@
 """`kvrelay up` on the real model: the whole stack as one command, `kvrelay status`, two stacks side by
-side, a killed worker coming back, and SIGTERM ending every child."""
+side, a killed worker coming back, SIGTERM ending every child, and the disaggregated shape (one prefill
+and one decode worker) answering a chat request with the KV pulled across."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.model
 
 KVRELAY = [sys.executable, "-m", "services.cli.main"]
 READY_TIMEOUT_S = 120.0
-CONFIG = "engine:\n  kv_cache_memory_mb: 128\n  max_model_len: 2048\n"
+CONFIG = "engine:\n  kv_cache_memory_mb: 128\n  max_model_len: 2048\ndisaggregation:\n  policy: always\n"
 
 
 @dataclass
@@ -40,7 +42,11 @@ class UpStack:
 
     def children(self) -> dict[str, int]:
         """PID of each service process by subcommand (worker, router, codec), from /proc."""
-        found: dict[str, int] = {}
+        return dict(self.child_processes())
+
+    def child_processes(self) -> list[tuple[str, int]]:
+        """(subcommand, PID) of every service process, from /proc: several workers appear once each."""
+        found: list[tuple[str, int]] = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -50,12 +56,12 @@ class UpStack:
             except (OSError, IndexError, ValueError):
                 continue
             if ppid == self.proc.pid and len(argv) > 3:
-                found[argv[3].decode()] = int(entry.name)
+                found.append((argv[3].decode(), int(entry.name)))
         return found
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM `kvrelay up`; if it hangs, kill it and every child it left (by PID)."""
-        children = self.children()
+        children = dict(enumerate(pid for _, pid in self.child_processes()))
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -111,13 +117,18 @@ def is_ready(url: str) -> bool:
         return False
 
 
-def start_up(model_dir: Path, workdir: Path) -> UpStack:
+ANNOUNCED = re.compile(r"kvrelay ready on (http://\S+)")
+
+
+def start_up(model_dir: Path, workdir: Path, *extra: str, free_ports: bool = False) -> UpStack:
+    """`kvrelay up` with `extra` flags, waited on until it announces its URL. The base port is a free run
+    of ports, or 0 (`free_ports`: every service takes any free port, the URL comes from the announcement)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "config.yaml"
     config.write_text(CONFIG)
-    base = free_base_port(3)
+    base = 0 if free_ports else free_base_port(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")} | {"PYTHONUNBUFFERED": "1"}
-    argv = ["up", "--port", str(base), "--model", str(model_dir), "--config", str(config)]
+    argv = ["up", "--port", str(base), "--model", str(model_dir), "--config", str(config), *extra]
     log_path = workdir / "up.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -130,13 +141,20 @@ def start_up(model_dir: Path, workdir: Path) -> UpStack:
         )
     stack = UpStack(proc, f"http://127.0.0.1:{base}", log_path)
     try:
-        announced = f"kvrelay ready on {stack.url}"
-        wait_until(lambda: announced in stack.log_path.read_text(), stack, "not announced", READY_TIMEOUT_S)
+        wait_until(lambda: _announced_url(stack) is not None, stack, "not announced", READY_TIMEOUT_S)
+        url = _announced_url(stack)
+        assert url is not None and (free_ports or url == stack.url), url
+        stack.url = url
         assert is_ready(stack.url)
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def _announced_url(stack: UpStack) -> str | None:
+    found = ANNOUNCED.search(stack.log_path.read_text(errors="replace"))
+    return found.group(1) if found else None
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +243,46 @@ def _completes(url: str) -> bool:
     except (AssertionError, httpx.HTTPError):
         return False
     return True
+
+
+def test_disaggregated_up_answers_a_chat_and_status_shows_both_pools(model_dir: Path, tmp_path: Path) -> None:
+    split = start_up(model_dir, tmp_path / "up-pd", "--mode", "disaggregated", free_ports=True)
+    try:
+        pids = [pid for _, pid in split.child_processes()]
+        assert sorted(name for name, _ in split.child_processes()) == ["codec", "router", "worker", "worker"]
+        answer = chat(split.url, "What is the capital of France?")
+        assert answer["choices"][0]["message"]["content"]
+        assert answer["usage"]["completion_tokens"] >= 1
+        # The router refreshes each replica's load about once a second: the counters may lag the answer.
+        wait_until(lambda: _remote_prefills(split.url) >= 1, split, "no remote prefill counted", 15)
+        services = status_json(split.url)["services"]
+        workers = [s for s in services if s["role"] in ("prefill", "decode", "colocated")]
+        assert sorted(s["role"] for s in workers) == ["decode", "prefill"]
+        assert all(s["ready"] is True for s in workers)
+        decode = next(s for s in workers if s["role"] == "decode")
+        assert decode["kv_transfer_bytes_total"] > 0
+        assert decode["prefill_fallbacks_total"] == 0
+        prefill = next(s for s in workers if s["role"] == "prefill")
+        assert prefill["remote_prefills_total"] >= 1
+        table = subprocess.run([*KVRELAY, "status", "--url", split.url], cwd=REPO_ROOT, capture_output=True)
+        assert table.returncode == 0 and b"prefill" in table.stdout and b"decode" in table.stdout
+    finally:
+        code = split.stop()
+    assert code == 0, split.log()
+    assert not any(is_alive(pid) for pid in pids)
+
+
+def chat(url: str, question: str) -> dict[str, Any]:
+    model = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 8}
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**body, "temperature": 0}, timeout=60.0)
+    assert reply.status_code == 200, reply.text
+    document: dict[str, Any] = reply.json()
+    return document
+
+
+def _remote_prefills(url: str) -> int:
+    """The decode workers' remote prefills, as `kvrelay status --json` reports them (a KeyError, at once,
+    if the status document does not carry the counter)."""
+    services = status_json(url)["services"]
+    return sum(int(s["remote_prefills_total"]) for s in services if s["role"] == "decode")

@@ -21,6 +21,12 @@ DOCUMENT = {
          "waiting": 3, "requests_total": 12,
          "kv_blocks": {"total": 100, "active": 10, "cached": 5, "free": 85},
          "prefix_cache": {"queries": 12, "hits": 4}},
+        {"name": "worker-1", "role": "prefill", "address": "127.0.0.1:8003", "ready": True, "running": 0,
+         "waiting": 0, "requests_total": 0, "kv_transfer_bytes_total": 4096, "remote_prefills_total": 2,
+         "prefill_fallbacks_total": 0},
+        {"name": "worker-2", "role": "decode", "address": "127.0.0.1:8004", "ready": True, "running": 1,
+         "waiting": 0, "requests_total": 3, "kv_transfer_bytes_total": 4096, "remote_prefills_total": 2,
+         "prefill_fallbacks_total": 1},
     ]
 }  # fmt: skip
 
@@ -66,9 +72,22 @@ def test_table_has_a_row_per_service_and_dashes_for_missing_fields(
 ) -> None:
     monkeypatch.setenv(status.URL_ENV, stack_url)
     assert run([]) == 0
-    header, codec, worker = capsys.readouterr().out.splitlines()
+    header, codec, worker, prefill, decode = capsys.readouterr().out.splitlines()
     assert header.split()[:3] == ["NAME", "ROLE", "ADDRESS"]
-    assert codec.split() == ["codec", "codec", "127.0.0.1:8000", "yes", "1", "0", "7", "-/-/-/-", "-/-"]
+    assert header.split()[-4:] == ["KV", "XFER", "BYTES", "REMOTE/FALLBACKS"]
+    assert codec.split() == [
+        "codec",
+        "codec",
+        "127.0.0.1:8000",
+        "yes",
+        "1",
+        "0",
+        "7",
+        "-/-/-/-",
+        "-/-",
+        "-",
+        "-/-",
+    ]
     assert worker.split() == [
         "worker-0",
         "worker",
@@ -79,7 +98,11 @@ def test_table_has_a_row_per_service_and_dashes_for_missing_fields(
         "12",
         "10/5/85/100",
         "4/12",
+        "-",
+        "-/-",
     ]
+    assert prefill.split()[:2] == ["worker-1", "prefill"] and prefill.split()[-2:] == ["4096", "2/0"]
+    assert decode.split()[:2] == ["worker-2", "decode"] and decode.split()[-2:] == ["4096", "2/1"]
 
 
 def test_a_stack_that_does_not_answer_is_one_line_and_exit_code_1(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""`kvrelay up` before it starts anything: ports, the thread split, child command lines, argument checks."""
+"""`kvrelay up` before it starts anything: ports, worker names and roles per mode, the thread split, child
+command lines, argument checks."""
 
 from __future__ import annotations
 
@@ -111,9 +112,110 @@ def no_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_supervisor")
-def test_modes_other_than_colocated_are_rejected_with_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(up.UpError, match="--mode disaggregated is not available yet: only colocated"):
-        up.run(parse(["--mode", "disaggregated", "--model", str(tmp_path)]))
+def test_an_unknown_mode_is_rejected_with_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(
+        up.UpError, match=r"--mode split is not a deployment shape: pick colocated .* or disagg"
+    ):
+        up.run(parse(["--mode", "split", "--model", str(tmp_path)]))
+
+
+def test_colocated_workers_are_named_worker_i_and_default_to_one() -> None:
+    assert up.plan_workers("colocated") == [("worker-0", "colocated")]
+    assert up.plan_workers("colocated", workers=3) == [
+        ("worker-0", "colocated"), ("worker-1", "colocated"), ("worker-2", "colocated"),
+    ]  # fmt: skip
+
+
+def test_disaggregated_puts_the_prefill_workers_first_then_the_decode_ones() -> None:
+    assert up.plan_workers("disaggregated") == [("prefill-0", "prefill"), ("decode-0", "decode")]
+    assert up.plan_workers("disaggregated", prefill_replicas=2, decode_replicas=3) == [
+        ("prefill-0", "prefill"), ("prefill-1", "prefill"),
+        ("decode-0", "decode"), ("decode-1", "decode"), ("decode-2", "decode"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "counts", "message"),
+    [
+        ("colocated", {"prefill_replicas": 1}, "--mode colocated does not take --prefill-replicas: "),
+        ("colocated", {"decode_replicas": 2}, "--mode colocated does not take --decode-replicas: "),
+        ("disaggregated", {"workers": 2}, "--mode disaggregated does not take --workers: "),
+        ("colocated", {"workers": 0}, "--workers must be at least 1, got 0"),
+        ("disaggregated", {"prefill_replicas": 0}, "--prefill-replicas must be at least 1, got 0"),
+        ("disaggregated", {"decode_replicas": -1}, "--decode-replicas must be at least 1, got -1"),
+    ],
+)
+def test_counts_of_the_other_mode_or_below_one_are_rejected(
+    mode: str, counts: dict[str, int], message: str
+) -> None:
+    with pytest.raises(up.UpError, match=message):
+        up.plan_workers(mode, **counts)
+
+
+@pytest.mark.usefixtures("no_supervisor")
+def test_mixing_a_count_flag_with_the_wrong_mode_fails_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(
+        up.UpError, match="--mode colocated does not take --prefill-replicas, --decode-replicas"
+    ):
+        up.run(parse(["--prefill-replicas", "1", "--decode-replicas", "1", "--model", str(tmp_path)]))
+    with pytest.raises(up.UpError, match="--mode disaggregated does not take --workers"):
+        up.run(parse(["--mode", "disaggregated", "--workers", "2", "--model", str(tmp_path)]))
+
+
+def disaggregated_plan(tmp_path: Path, num_prefill: int = 1, num_decode: int = 1) -> up.StackPlan:
+    workers = up.plan_workers("disaggregated", prefill_replicas=num_prefill, decode_replicas=num_decode)
+    return up.StackPlan(
+        host="127.0.0.1",
+        ports=up.derive_ports(9000, len(workers), no_free_ports, tuple(w.name for w in workers)),
+        config_path=tmp_path / "config.yaml",
+        model_dir=tmp_path / "model",
+        threads_per_worker=up.threads_per_worker(2, len(workers)),
+        env=up.child_env({"PATH": "/bin"}, TOKEN),
+        mode="disaggregated",
+        worker_roles=tuple(w.role for w in workers),
+    )
+
+
+def test_disaggregated_ports_keep_the_scheme_with_prefill_then_decode_workers(tmp_path: Path) -> None:
+    ports = disaggregated_plan(tmp_path, num_prefill=1, num_decode=2).ports
+    assert ports.all() == [("prefill-0", 9002), ("decode-0", 9003), ("decode-1", 9004), ("router", 9001),
+                           ("codec", 9000)]  # fmt: skip
+
+
+def test_disaggregated_workers_get_their_role_name_and_a_share_of_the_cores(tmp_path: Path) -> None:
+    specs = up.build_specs(disaggregated_plan(tmp_path), python="py")
+    by_name = {spec.name: spec for spec in specs}
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "router", "codec"]
+    cfg, model = str(tmp_path / "config.yaml"), str(tmp_path / "model")
+    assert list(by_name["prefill-0"].argv) == [
+        "py", "-m", "services.cli.main", "worker", "--config", cfg, "--model", model, "--role", "prefill",
+        "--host", "127.0.0.1", "--port", "9002", "--threads", "1", "--name", "prefill-0",
+    ]  # fmt: skip
+    decode = list(by_name["decode-0"].argv)
+    assert decode[decode.index("--role") + 1] == "decode" and decode[decode.index("--name") + 1] == "decode-0"
+    assert decode[decode.index("--threads") + 1] == "1"  # 2 cores over 1 prefill + 1 decode worker
+    router = list(by_name["router"].argv)
+    assert router[router.index("--workers") + 1] == "127.0.0.1:9002,127.0.0.1:9003"
+    assert by_name["decode-0"].health == GrpcHealthCheck("127.0.0.1:9003")
+    assert by_name["decode-0"].liveness == GrpcHealthCheck("127.0.0.1:9003", 2.0, LIVENESS_SERVICE)
+
+
+def test_a_plan_without_roles_is_colocated(tmp_path: Path) -> None:
+    assert plan(tmp_path).workers() == [("worker-0", "colocated"), ("worker-1", "colocated")]
+
+
+@pytest.mark.usefixtures("no_supervisor")
+def test_a_busy_port_names_the_disaggregated_worker_that_needs_it(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        decode_port = busy.getsockname()[1]
+        argv = ["--mode", "disaggregated", "--model", str(tmp_path), "--port", str(decode_port - 3)]
+        # As in the colocated test below, a neighbour's process may hold an earlier port of the stack.
+        with pytest.raises(
+            up.UpError, match=r"port \d+ \((codec|router|prefill-0|decode-0)\) on 127\.0\.0\.1 is not free"
+        ):
+            up.run(parse(argv))
 
 
 @pytest.mark.usefixtures("no_supervisor")
@@ -148,7 +250,7 @@ def test_the_public_grpc_port_reaches_the_codec_only_when_asked(tmp_path: Path) 
     import dataclasses
 
     def codec_argv(p: up.StackPlan) -> list[str]:
-        return next(s.argv for s in up.build_specs(p, python="py") if s.name == "codec")
+        return next(list(s.argv) for s in up.build_specs(p, python="py") if s.name == "codec")
 
     assert "--grpc-port" not in codec_argv(plan(tmp_path))
     argv = codec_argv(dataclasses.replace(plan(tmp_path), grpc_port=9100))

@@ -144,7 +144,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype")
+    __slots__ = ("model_name", "max_context", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class InfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context: int
     block_size: int
@@ -161,7 +162,8 @@ class InfoResponse(_message.Message):
     vocab_size: int
     role: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_bytes_per_token: int
+    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("total", "active", "cached", "free")
@@ -202,6 +204,20 @@ class LoadResponse(_message.Message):
     remote_prefills_total: int
     prefill_fallbacks_total: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ...) -> None: ...
+
+class KVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("snapshot", "stored", "removed")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReplicasRequest(_message.Message):
     __slots__ = ()

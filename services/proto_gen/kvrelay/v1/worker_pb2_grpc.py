@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=kvrelay_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_worker__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/kvrelay.v1.Worker/KVEvents',
+                request_serializer=kvrelay_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -83,6 +88,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=kvrelay_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_worker__pb2.LoadResponse.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=kvrelay_dot_v1_dot_worker__pb2.KVEventsRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Worker:
             '/kvrelay.v1.Worker/Load',
             kvrelay_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
             kvrelay_dot_v1_dot_worker__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvrelay.v1.Worker/KVEvents',
+            kvrelay_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+            kvrelay_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
