@@ -49,6 +49,7 @@ from services.codec.openai_common import collect_unless_gone
 from services.codec.prompts import encode_chat, encode_text
 from services.codec.request_body import parse_schema, read_json_object
 from services.codec.schemas.anthropic import CountTokensRequest, MessagesRequest, PromptFields
+from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.sse import EventStreamResponse, encode_event
 from services.codec.state import CodecState, backend_request_id, codec_state, request_id, request_stats
 
@@ -119,9 +120,21 @@ async def _start(
         sampling=sampling,
         stop=body.stop_strings(),
         timeout_s=state.request_timeout_s,
+        session_key=_session_key(request, state, body),
     )
     return await unless_client_leaves(
         request.receive, lambda: state.generator.start(generation_request, stats)
+    )
+
+
+def _session_key(request: Request, state: CodecState, body: MessagesRequest) -> str:
+    """x-session-id, else metadata.user_id, else the first user message (`system` never counts)."""
+    user_id = body.metadata.user_id if body.metadata is not None else None
+    return session_key(
+        header=request.headers.get(SESSION_HEADER),
+        client_key=(SessionSource.ANTHROPIC_USER_ID, user_id),
+        model=state.identity.model_name,
+        messages=body.template_messages(),
     )
 
 

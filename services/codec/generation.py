@@ -44,6 +44,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     timeout_s: float | None = None
+    session_key: str = ""  # routing affinity only (session.py); "" lets the router choose freely
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Generator:
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling,
+            session_key=request.session_key,
             timeout_s=request.timeout_s,
         )
         iterator = aiter(self._backend.generate(backend_input))

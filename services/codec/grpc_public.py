@@ -37,6 +37,7 @@ from services.codec.middleware import log_access, new_request_ids
 from services.codec.openai_common import admit
 from services.codec.prompts import encode_chat, encode_prompt
 from services.codec.schemas.openai import SamplingFields
+from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
 from services.common.grpc_auth import REQUEST_ID_KEY
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
@@ -71,6 +72,7 @@ class PreparedRequest:
     max_tokens: int | None
     logprobs: int | None
     prompt_param: str
+    session_key: str = ""
 
 
 class InferenceServicer(public_pb2_grpc.InferenceServicer):
@@ -80,23 +82,34 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         self._state = state
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> None:
-        await self._serve(context, "Chat", pb.ChatResponse, lambda: self._prepare_chat(request))
+        session_id = _metadata_value(context, SESSION_HEADER)
+        await self._serve(context, "Chat", pb.ChatResponse, lambda: self._prepare_chat(request, session_id))
 
     async def Generate(self, request: pb.TextGenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        session_id = _metadata_value(context, SESSION_HEADER)
         await self._serve(
-            context, "Generate", pb.TextGenerateResponse, lambda: self._prepare_generate(request)
+            context,
+            "Generate",
+            pb.TextGenerateResponse,
+            lambda: self._prepare_generate(request, session_id),
         )
 
-    async def _prepare_chat(self, request: pb.ChatRequest) -> PreparedRequest:
+    async def _prepare_chat(self, request: pb.ChatRequest, session_id: str | None) -> PreparedRequest:
         state = self._state
         body = chat_request(request, state.identity.model_name)
         state.check_model(body.model)
         body.check_supported()
         template = state.require_chat_template()
-        prompt_ids = encode_chat(template, state.tokenizer, body.template_messages(), state.metrics)
-        return PreparedRequest(body, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages")
+        messages = body.template_messages()
+        prompt_ids = encode_chat(template, state.tokenizer, messages, state.metrics)
+        key = session_key(header=session_id, model=state.identity.model_name, messages=messages)
+        return PreparedRequest(
+            body, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages", key
+        )
 
-    async def _prepare_generate(self, request: pb.TextGenerateRequest) -> PreparedRequest:
+    async def _prepare_generate(
+        self, request: pb.TextGenerateRequest, session_id: str | None
+    ) -> PreparedRequest:
         state = self._state
         body = completion_request(request, state.identity.model_name)
         state.check_model(body.model)
@@ -105,7 +118,8 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         prompt_ids = await encode_prompt(
             body.single_prompt(), state.tokenizer, state.admission, state.metrics, param
         )
-        return PreparedRequest(body, prompt_ids, body.max_tokens, body.logprobs, param)
+        key = session_key(header=session_id)  # a plain prompt has no turns: metadata only
+        return PreparedRequest(body, prompt_ids, body.max_tokens, body.logprobs, param, key)
 
     async def _serve(
         self,
@@ -155,6 +169,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
             logprobs=prepared.logprobs,
             prompt_param=prepared.prompt_param,
             timeout_s=self._timeout_s(context),
+            session_key=prepared.session_key,
         )
         generation = await self._state.generator.start(generation_request, stats)
         try:

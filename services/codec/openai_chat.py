@@ -29,6 +29,7 @@ from services.codec.openai_common import (
 from services.codec.prompts import encode_chat
 from services.codec.request_body import parse_schema, read_json_object
 from services.codec.schemas.openai import ChatCompletionRequest
+from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.sse import DONE, encode_event
 from services.codec.state import codec_state, request_stats
 
@@ -57,6 +58,12 @@ async def create_chat_completion(request: Request) -> Response:
         max_tokens=body.requested_max_tokens,
         logprobs=body.num_top_logprobs,
         prompt_param="messages",
+        session_key=session_key(
+            header=request.headers.get(SESSION_HEADER),
+            client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
+            model=state.identity.model_name,
+            messages=messages,
+        ),
     )
     envelope = Envelope.new(
         ID_PREFIX, "chat.completion.chunk" if body.is_stream else "chat.completion", state

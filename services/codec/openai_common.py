@@ -40,6 +40,7 @@ async def admit_and_start(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    session_key: str = "",
 ) -> GenerationStream:
     """Context checks, sampling validation, then the backend. Every refusal happens before any byte."""
     generation_request = await admit(
@@ -52,6 +53,7 @@ async def admit_and_start(
         logprobs=logprobs,
         prompt_param=prompt_param,
         timeout_s=state.request_timeout_s,
+        session_key=session_key,
     )
     # A client that leaves while the request waits for its first token aborts it there and then.
     return await unless_client_leaves(
@@ -70,6 +72,7 @@ async def admit(
     logprobs: int | None,
     prompt_param: str,
     timeout_s: float | None,
+    session_key: str = "",
 ) -> GenerationRequest:
     """The request to start, after the context checks and sampling validation (protocol-neutral: the
     public gRPC API uses it too). Refusals raise InvalidRequestError subclasses."""
@@ -86,6 +89,7 @@ async def admit(
         sampling=sampling,
         stop=fields.stop_strings(),
         timeout_s=timeout_s,
+        session_key=session_key,
     )
 
 

@@ -28,6 +28,7 @@ from services.codec.openai_common import (
 from services.codec.prompts import encode_prompt
 from services.codec.request_body import parse_schema, read_json_object
 from services.codec.schemas.openai import CompletionRequest
+from services.codec.session import SESSION_HEADER, session_key
 from services.codec.sse import DONE, encode_event
 from services.codec.state import codec_state, request_stats
 
@@ -58,6 +59,7 @@ async def create_completion(request: Request) -> Response:
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
         prompt_param="prompt",
+        session_key=session_key(header=request.headers.get(SESSION_HEADER)),  # no turns: header only
     )
     envelope = Envelope.new(ID_PREFIX, OBJECT, state)
     num_samples = body.n or 1

@@ -43,6 +43,7 @@ from services.codec.prompts import encode_chat
 from services.codec.request_body import parse_schema, read_json_object
 from services.codec.response_store import ResponseStore, StoredResponse, store_from_env
 from services.codec.schemas.responses import ResponsesRequest
+from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.sse import EventStreamResponse
 from services.codec.state import codec_state, request_id, request_stats
 from services.common.errors import InvalidRequestError
@@ -107,6 +108,14 @@ async def create_response(request: Request) -> Response:
             max_tokens=body.max_output_tokens,
             logprobs=None,
             prompt_param="input",
+            # `history` holds no instructions and starts with the stored conversation of
+            # previous_response_id, so every turn of a conversation has the same first user turn.
+            session_key=session_key(
+                header=request.headers.get(SESSION_HEADER),
+                client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
+                model=state.identity.model_name,
+                messages=history,
+            ),
         )
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None

@@ -3,11 +3,11 @@
 Parsing is strict: wrong types, out-of-range values and unknown fields fail (400 naming the param).
 Fields fall in three groups:
 - honoured: model, max_tokens, messages (text content; a final assistant message is a prefill),
-  system, stop_sequences, stream, temperature, top_p, top_k;
-- accepted and ignored: metadata (its user_id will key sessions), service_tier, cache_control (top
-  level and on text blocks), citations on text blocks, inference_geo, speed, diagnostics,
-  user_profile_id, workspace_id, output_config.effort, thinking `disabled`, tool_choice `none`, and
-  an empty tools list;
+  system, stop_sequences, stream, temperature, top_p, top_k; metadata.user_id keys the session for
+  routing affinity (session.py);
+- accepted and ignored: service_tier, cache_control (top level and on text blocks), citations on
+  text blocks, inference_geo, speed, diagnostics, user_profile_id, workspace_id, output_config.effort,
+  thinking `disabled`, tool_choice `none`, and an empty tools list;
 - defined by Anthropic but not honoured here: they parse, then `check_supported` (or turning the
   messages into template messages) rejects them with UnsupportedParameterError: content blocks other
   than text (image, document, tool_use, tool_result, thinking, ...), tools, tool_choice, thinking

@@ -3,10 +3,11 @@
 Parsing is strict: wrong types, out-of-range values and unknown fields fail (400 naming the param).
 Fields fall in three groups:
 - honoured: sampling knobs, stop, stream, logprobs, seed, n, and vLLM's `ignore_eos`, `top_k`,
-  `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`;
-- accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
-  `prompt_cache_retention`, `prompt_cache_options`, `safety_identifier`, `reasoning_effort`,
-  `verbosity`, `parallel_tool_calls`, `moderation`;
+  `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`; `prompt_cache_key` keys the session
+  for routing affinity (session.py), never the cache;
+- accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_retention`,
+  `prompt_cache_options`, `safety_identifier`, `reasoning_effort`, `verbosity`,
+  `parallel_tool_calls`, `moderation`;
 - defined by OpenAI but not honoured here: they parse, then `check_supported` rejects them with
   UnsupportedParameterError (audio, prediction, web_search_options, functions, tools, non-text
   response formats, logit_bias, image/audio/file content parts, tool messages, echo, suffix, ...).
@@ -156,11 +157,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_cache_key: str | None = None  # keys the session for routing (session.py), not the cache
     # Accepted and ignored.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None

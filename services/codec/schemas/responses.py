@@ -4,7 +4,8 @@ Parsing is strict like the other OpenAI schemas: wrong types, out-of-range value
 fail with a 400 naming the param. Fields fall in three groups:
 - honoured: `model`, `input`, `instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`,
   `store`, `previous_response_id`, and echoed back: `metadata`, `user`, `safety_identifier`,
-  `prompt_cache_key`, `parallel_tool_calls`, `max_tool_calls`;
+  `prompt_cache_key` (which also keys the session for routing, session.py), `parallel_tool_calls`,
+  `max_tool_calls`;
 - accepted and ignored: `reasoning`, `service_tier`, `stream_options`, `text.verbosity`,
   `prompt_cache_retention`, `prompt_cache_options`, `moderation`, `background_options`;
 - defined by OpenAI but not honoured here: they parse, then `check_supported` rejects them with
