@@ -51,7 +51,7 @@ class WorkerOptions:
     grace_seconds: float = 30.0
 
 
-def build_info(core: EngineCore, config: KvrelayConfig, role: str) -> pb.InfoResponse:
+def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "") -> pb.InfoResponse:
     return pb.InfoResponse(
         model_name=config.model.served_name or Path(config.model.path).name,
         max_context=core.max_model_len,
@@ -60,6 +60,7 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str) -> pb.InfoRes
         tokenizer_fingerprint=core.manifest.tokenizer_fingerprint,
         vocab_size=core.model_config.vocab_size,
         role=role,
+        name=name,
         dtype=str(core.runner.model.dtype).removeprefix("torch."),
     )
 
@@ -94,7 +95,7 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     core = EngineCore.from_config(config)
     engine = AsyncEngine(core)
     engine.start()
-    info = build_info(core, config, options.role)
+    info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
     senders, receivers = _transports()
     layout = kv_layout(core)

@@ -278,7 +278,13 @@ class RouterStatusService(worker_pb2_grpc.RouterServicer):
     ) -> pb.ReplicasResponse:
         return pb.ReplicasResponse(
             replicas=[
-                pb.Replica(name=r.name, role=r.role, address=r.address, ready=r.usable, load=r.load)
+                pb.Replica(
+                    name=r.info.name if r.info is not None and r.info.name else r.name,
+                    role=r.role,
+                    address=r.address,
+                    ready=r.usable,
+                    load=r.load,
+                )
                 for r in self.replicas.replicas
             ]
         )
