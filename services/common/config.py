@@ -67,6 +67,46 @@ class LimitsConfig(_Section):
     stream_send_timeout_ms: int = Field(default=30_000, gt=0)
 
 
+class TenantQuota(_Section):
+    """One tenant's limits; a missing limit means the tenant defaults (`quotas.default_*`)."""
+
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    max_concurrency: int | None = Field(default=None, gt=0)
+    weight: int = Field(default=1, gt=0)  # share of the fair queue
+
+
+class AuthConfig(_Section):
+    """API keys (docs/admission.md). No keys file: open mode, every request is tenant "default"."""
+
+    keys_file: str | None = None  # hashed keys (`kvrelay keys add`); re-read when it changes
+    # Prefix-cache salt: from the authenticated tenant, never from the request. Tenants listed in one
+    # group share cached prefixes (and can observe each other's cache timing); others never do.
+    shared_cache_groups: list[list[str]] = Field(default_factory=list)
+
+
+class QuotasConfig(_Section):
+    """Requests and tokens per minute, per tenant and overall. Unset limits are not enforced."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    fail_open: bool = True  # Redis down: admit (and count it), or refuse with 503
+    global_requests_per_minute: int | None = Field(default=None, gt=0)
+    global_tokens_per_minute: int | None = Field(default=None, gt=0)
+    default_requests_per_minute: int | None = Field(default=None, gt=0)
+    default_tokens_per_minute: int | None = Field(default=None, gt=0)
+    default_max_concurrency: int | None = Field(default=None, gt=0)
+    tenants: dict[str, TenantQuota] = Field(default_factory=dict)
+
+
+class TlsConfig(_Section):
+    """Mutual TLS on internal gRPC and the KV transfer; off unless all three files are set."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+
+
 class DisaggregationConfig(_Section):
     """Prefill/decode split (docs/disaggregation.md)."""
 
@@ -102,6 +142,9 @@ class KvrelayConfig(_Section):
     server: ServerConfig = ServerConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     router: RouterConfig = RouterConfig()
+    auth: AuthConfig = AuthConfig()
+    quotas: QuotasConfig = QuotasConfig()
+    internal_tls: TlsConfig = TlsConfig()
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> KvrelayConfig:
