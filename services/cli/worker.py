@@ -19,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: engine.num_threads)")
     p.add_argument("--name", default="worker-0")
     p.add_argument("--grace-seconds", type=float, default=30.0)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.set_defaults(handler=run)
 
 
@@ -31,6 +32,6 @@ def run(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.model})})
     if args.threads:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_threads": args.threads})})
-    options = WorkerOptions(args.host, args.port, args.role, args.name, args.grace_seconds)
+    options = WorkerOptions(args.host, args.port, args.role, args.name, args.grace_seconds, args.metrics_port)
     asyncio.run(serve(cfg, options))
     return 0

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common.config import KvrelayConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.sampling import SamplingParams
+from services.decode.metrics import WorkerMetrics
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.worker_service import WorkerService
 from services.engine.async_engine import AsyncEngine
@@ -49,6 +50,7 @@ class WorkerOptions:
     role: str
     name: str
     grace_seconds: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on the worker's host; off when None
 
 
 def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "") -> pb.InfoResponse:
@@ -93,10 +95,14 @@ def _transports() -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:
 async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     tokens = TokenSource.from_env()
     core = EngineCore.from_config(config)
-    engine = AsyncEngine(core)
+    metrics = WorkerMetrics(options.role, options.name)
+    engine = AsyncEngine(core, metrics)
     engine.start()
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
+    metrics.watch(engine, counters)
+    if options.metrics_port is not None:
+        metrics.serve(options.host, options.metrics_port)
     senders, receivers = _transports()
     layout = kv_layout(core)
     info.kv_bytes_per_token = layout.bytes_per_token

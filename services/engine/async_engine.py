@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, KVExport, RequestOutput
@@ -85,9 +86,16 @@ class _KVSubscriber:
         self.loop.call_soon_threadsafe(self.batches.put_nowait, batch)
 
 
+class StepObserver(Protocol):
+    """Told about every engine step, on the engine thread: keep it cheap and thread-safe."""
+
+    def observe_step(self, seconds: float, num_tokens: int, queue_times: list[float]) -> None: ...
+
+
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, observer: StepObserver | None = None) -> None:
         self.core = core
+        self.observer = observer
         core.pool.record_events = True
         self._kv_subscribers: list[_KVSubscriber] = []
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -309,9 +317,11 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                started = time.monotonic()
                 outputs = self.core.step()
                 self._publish_kv_events()
                 self.last_step_time = time.monotonic()
+                self._observe(self.last_step_time - started, outputs)
                 self._stats = self.core.stats()
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
@@ -322,6 +332,12 @@ class AsyncEngine:
             self._error = exc
             for stream in list(self._streams.values()):
                 stream.deliver(EngineDeadError("the engine loop stopped"))
+
+    def _observe(self, seconds: float, outputs: list[RequestOutput]) -> None:
+        queue_times = self.core.scheduler.queue_times
+        self.core.scheduler.queue_times = []
+        if self.observer is not None:
+            self.observer.observe_step(seconds, len(outputs), queue_times)
 
     def _drain_commands(self) -> None:
         while True:

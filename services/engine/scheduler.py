@@ -12,6 +12,7 @@ sequence cap and the KV pool allow, and only in steps that preempted nothing.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class Scheduler:
     running: list[Request] = field(default_factory=list)
     requests: dict[str, Request] = field(default_factory=dict)
     num_preemptions: int = 0
+    # Seconds each newly admitted request waited since arrival; drained by whoever reports metrics.
+    queue_times: list[float] = field(default_factory=list)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -153,6 +156,7 @@ class Scheduler:
             if not request._admitted_once:
                 request.num_cached_tokens = num_cached_tokens
                 request._admitted_once = True
+                self.queue_times.append(time.monotonic() - request.arrival_time)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
