@@ -1,5 +1,8 @@
-"""`kvrelay router`: forwards the internal API to workers from a static list.
+"""`kvrelay router`: forwards the internal API to workers found by discovery.
 
+Discovery (services/router/discovery.py) is a static list (`workers`), or Kubernetes EndpointSlices: a
+task feeds every membership change to `ReplicaSet.apply`, so replicas are added and drained without a
+restart. If discovery ever stops, the router shuts down (its supervisor restarts it).
 Health "" is SERVING while at least one worker is usable (healthy and serving the pool's model).
 """
 
@@ -13,9 +16,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.config import DisaggregationConfig
+from services.common.config import DisaggregationConfig, RouterConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from services.router.discovery import Discovery, StaticDiscovery
 from services.router.replicas import ReplicaSet
 from services.router.router_service import DECODE_ROLES, RouterService, RouterStatusService
 
@@ -31,12 +35,14 @@ class RouterOptions:
     grace_seconds: float = 30.0
     model_fingerprint: str | None = None
     disaggregation: DisaggregationConfig | None = None
+    discovery: Discovery | None = None  # None: StaticDiscovery(workers)
+    routing: RouterConfig | None = None
 
 
 async def serve(options: RouterOptions) -> None:
     tokens = TokenSource.from_env()
     replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint)
-    service = RouterService(replicas, options.disaggregation)
+    service = RouterService(replicas, options.disaggregation, options.routing)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
@@ -45,17 +51,37 @@ async def serve(options: RouterOptions) -> None:
     address = f"{options.host}:{options.port}"
     server.add_insecure_port(address)
     await server.start()
-    log.info("router started", extra={"address": address, "workers": options.workers})
+    discovery = options.discovery or StaticDiscovery(options.workers)
+    log.info(
+        "router started",
+        extra={"address": address, "workers": options.workers, "discovery": type(discovery).__name__},
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    discoverer = _start_discovery(discovery, replicas, stop)
     refresher = asyncio.create_task(_refresh(replicas, health_servicer, stop))
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(options.grace_seconds)
+    discoverer.cancel()
     refresher.cancel()
     await replicas.close()
+
+
+def _start_discovery(discovery: Discovery, replicas: ReplicaSet, stop: asyncio.Event) -> asyncio.Task[None]:
+    """Feed discovery's membership to `replicas`; if discovery ends on its own, stop the router."""
+
+    def ended(task: asyncio.Task[None]) -> None:
+        if task.cancelled() and stop.is_set():
+            return
+        log.error("discovery stopped; shutting down", exc_info=None if task.cancelled() else task.exception())
+        stop.set()
+
+    task = asyncio.create_task(discovery.run(replicas.apply))
+    task.add_done_callback(ended)
+    return task
 
 
 async def _refresh(

@@ -152,7 +152,7 @@ def test_cancelled_stream_frees_every_block_on_the_worker(stack: Stack) -> None:
 def test_deadline_expiry_aborts_and_frees_blocks(stack: Stack) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(
-            stack.stub.Generate(request("d1", list(range(2, 120)), max_tokens=380), metadata=MD, timeout=0.3)
+            stack.stub.Generate(request("d1", list(range(2, 120)), max_tokens=380), metadata=MD, timeout=0.05)
         )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_idle(stack.worker_stub(0)).kv_blocks.active == 0
