@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--grace-seconds", type=float, default=30.0)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument(
         "--model-fingerprint",
         default=None,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.disaggregation,
         discovery,
         cfg.router,
+        args.metrics_port,
     )
     asyncio.run(serve(options))
     return 0

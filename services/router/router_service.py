@@ -75,7 +75,9 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         self.affinity = AffinityRing(load_factor=self.config.affinity_load_factor)
         self.transfer_bytes_per_s = self.config.transfer_bytes_per_s
         self.requests_total = 0
+        self.num_retries = 0
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.route_reasons: collections.Counter[str] = collections.Counter()
 
     # -- choosing -------------------------------------------------------------------------------------
 
@@ -176,6 +178,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRYABLE and not sent_any:
                     self.replicas.record_failure(route.decode, exc.code().name)
+                    self.num_retries += 1
                     log.warning(
                         "retrying on another replica",
                         extra={"request_id": request_id, "replica": route.decode.name},
@@ -207,6 +210,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             if route.prefill is not None:
                 route.prefill.queued_tokens += route.num_prompt_tokens
             self.decisions[("remote" if route.prefill else "local", route.decision.reason)] += 1
+            self.route_reasons[route.choice.reason] += 1
 
     def _first_token(self, route: _Route) -> None:
         """The prompt is done: it no longer waits ahead of others on either replica."""

@@ -20,6 +20,7 @@ from services.common.config import DisaggregationConfig, RouterConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.discovery import Discovery, StaticDiscovery
+from services.router.metrics import serve_metrics
 from services.router.replicas import ReplicaSet
 from services.router.router_service import DECODE_ROLES, RouterService, RouterStatusService
 
@@ -37,12 +38,15 @@ class RouterOptions:
     disaggregation: DisaggregationConfig | None = None
     discovery: Discovery | None = None  # None: StaticDiscovery(workers)
     routing: RouterConfig | None = None
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; off when None
 
 
 async def serve(options: RouterOptions) -> None:
     tokens = TokenSource.from_env()
     replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint)
     service = RouterService(replicas, options.disaggregation, options.routing)
+    if options.metrics_port is not None:
+        serve_metrics(service, options.host, options.metrics_port)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
