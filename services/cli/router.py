@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         discovery,
         cfg.router,
         args.metrics_port,
+        cfg.internal_tls,
     )
     asyncio.run(serve(options))
     return 0

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.config import KvrelayConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
+from services.common.grpc_tls import add_port
 from services.common.sampling import SamplingParams
 from services.decode.metrics import WorkerMetrics
 from services.decode.remote_prefill import RemotePrefill
@@ -119,7 +120,7 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
         kv_transfer_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{options.host}:{options.port}"
-    server.add_insecure_port(address)
+    add_port(server, address, config.internal_tls)
     await server.start()
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await warm_up(engine)

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import grpc_tls
 from services.common.block_hash import hash_token_blocks, root_hash
+from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
@@ -106,8 +108,10 @@ class ReplicaSet:
         tokens: TokenSource,
         model_fingerprint: str | None = None,
         watch_kv_events: bool = True,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.tokens = tokens
+        self.tls = tls or TlsConfig()
         self.replicas: list[Replica] = []
         # The pool's model: given, or else the first replica to report one defines it.
         self.model_fingerprint: str | None = model_fingerprint
@@ -144,7 +148,7 @@ class ReplicaSet:
         self._drop_idle_gone()
 
     def _add(self, endpoint: Endpoint) -> Replica:
-        channel = grpc.aio.insecure_channel(endpoint.address)
+        channel = grpc_tls.channel(endpoint.address, self.tls)
         replica = Replica(
             endpoint.name or endpoint.address,
             endpoint.address,

@@ -108,7 +108,8 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         hashes, block_size = self.replicas.prompt_block_hashes(prompt, bytes(request.tenant_salt))
         decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size)
         plain = [c for _, c in decodes.values()]
-        choice = self.affinity.choose(request.session_key, plain) or self.policy.choose(plain, len(prompt))
+        affinity = self.affinity.choose(request.session_key, plain) if self.config.policy == "cost" else None
+        choice = affinity or self.policy.choose(plain, len(prompt))
         if choice is None:
             return None
         decode, decode_candidate = decodes[choice.name]

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.config import DisaggregationConfig, RouterConfig
+from services.common.config import DisaggregationConfig, RouterConfig, TlsConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
+from services.common.grpc_tls import add_port
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.discovery import Discovery, StaticDiscovery
 from services.router.metrics import serve_metrics
@@ -39,11 +40,12 @@ class RouterOptions:
     discovery: Discovery | None = None  # None: StaticDiscovery(workers)
     routing: RouterConfig | None = None
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; off when None
+    tls: TlsConfig | None = None  # internal mutual TLS, to workers and from the codec
 
 
 async def serve(options: RouterOptions) -> None:
     tokens = TokenSource.from_env()
-    replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint)
+    replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint, tls=options.tls)
     service = RouterService(replicas, options.disaggregation, options.routing)
     if options.metrics_port is not None:
         serve_metrics(service, options.host, options.metrics_port)
@@ -53,7 +55,7 @@ async def serve(options: RouterOptions) -> None:
     worker_pb2_grpc.add_RouterServicer_to_server(RouterStatusService(replicas), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{options.host}:{options.port}"
-    server.add_insecure_port(address)
+    add_port(server, address, options.tls or TlsConfig())
     await server.start()
     discovery = options.discovery or StaticDiscovery(options.workers)
     log.info(

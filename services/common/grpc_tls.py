@@ -1,0 +1,61 @@
+"""Optional mutual TLS for the internal gRPC hops (codec -> router -> workers, decode -> prefill KV).
+
+Off unless `internal_tls.cert_file`, `key_file` and `ca_file` are all set (a partial setting is a config
+error). When on, every internal server asks for and verifies a client certificate signed by the CA,
+and every internal client presents its own certificate and verifies the server's against the same CA.
+The files are read when a server or channel is made; rotate them by restarting (or rolling) the pods.
+The internal bearer token stays required on top of TLS. The `torch` KV transport (gloo/NCCL) has no
+TLS of its own: with internal TLS on, use the `grpc` transport, or keep pods on a private network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from services.common.config import TlsConfig
+from services.common.errors import ConfigError
+
+ChannelOptions = Sequence[tuple[str, int | str]]
+
+
+def is_enabled(tls: TlsConfig) -> bool:
+    files = (tls.cert_file, tls.key_file, tls.ca_file)
+    if any(files) and not all(files):
+        raise ConfigError("internal_tls needs cert_file, key_file and ca_file together")
+    return all(files)
+
+
+def _read(path: str | None) -> bytes:
+    if path is None:
+        raise ConfigError("internal_tls file missing")
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"internal_tls: cannot read {path}: {exc.strerror}") from exc
+
+
+def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig) -> int:
+    """Listen on `address`, with mutual TLS when it is configured."""
+    if not is_enabled(tls):
+        return server.add_insecure_port(address)
+    credentials = grpc.ssl_server_credentials(
+        [(_read(tls.key_file), _read(tls.cert_file))],
+        root_certificates=_read(tls.ca_file),
+        require_client_auth=True,
+    )
+    return server.add_secure_port(address, credentials)
+
+
+def channel(address: str, tls: TlsConfig, options: ChannelOptions = ()) -> grpc.aio.Channel:
+    """An async channel to an internal service, presenting our certificate when TLS is on."""
+    if not is_enabled(tls):
+        return grpc.aio.insecure_channel(address, options=list(options))
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca_file),
+        private_key=_read(tls.key_file),
+        certificate_chain=_read(tls.cert_file),
+    )
+    return grpc.aio.secure_channel(address, credentials, options=list(options))

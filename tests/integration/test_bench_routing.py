@@ -1,0 +1,83 @@
+"""`kvrelay bench routing` end to end on the real model, at tiny sizes: two `kvrelay up` stacks (cost, then
+round_robin), 3 sessions x 2 turns each. Checks the JSON's shape, that both policies served every turn
+with positive prompt token counts, the PNG and that no process outlived the run; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.model
+
+SIDE_KEYS = {
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "hit_rate",
+    "first_turns",
+    "follow_ups",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "follow_up_ttft_p50_s",
+    "wall_s",
+    "completion_tokens",
+    "completion_tok_s",
+    "requests_per_s",
+    "errors",
+    "workers",
+    "routing_reasons",
+    "foreign_reasons",
+    "up_exit_code",
+    "turns",
+}
+
+
+def test_bench_routing_measures_both_policies(model_dir: Path, tmp_path: Path) -> None:
+    out, png, logs = tmp_path / "routing.json", tmp_path / "routing.png", tmp_path / "logs"
+    args = [
+        *("bench", "routing", "--model", str(model_dir), "--sessions", "3", "--turns", "2"),
+        *("--max-tokens", "4", "--system-tokens", "64", "--first-user-tokens", "48"),
+        *("--json", str(out), "--plot", str(png), "--logs", str(logs)),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "TTFT p50 ms" in done.stdout and "round_robin" in done.stdout
+    result = json.loads(out.read_text())
+    assert result.keys() >= {"model", "workers", "kv_cache_mb", "workload", "policies"}
+    assert list(result["policies"]) == ["cost", "round_robin"]
+    for side in result["policies"].values():
+        assert side.keys() >= SIDE_KEYS
+        assert side["errors"] == [] and side["up_exit_code"] == 0
+        assert side["requests"] == 6 and side["prompt_tokens"] > 0
+        assert side["follow_ups"]["requests"] == 3 and side["follow_ups"]["prompt_tokens"] > 0
+        assert all(turn["prompt_tokens"] > 0 for turn in side["turns"])
+        assert set(side["workers"]) == {"worker-0", "worker-1"}
+        assert sum(side["routing_reasons"].values()) == 6
+        assert not side["foreign_reasons"], side["foreign_reasons"]
+    assert png.stat().st_size > 0
+    assert _no_child_left(logs)
+
+
+def _no_child_left(logs: Path) -> bool:
+    """Every process of the run is gone: none still has a stack's log file open."""
+    logs = logs.resolve()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            targets = [str(p.readlink()) for p in fd_dir.iterdir()]
+        except OSError:
+            continue
+        if any(t.startswith(str(logs)) for t in targets):
+            return False
+    return True
