@@ -16,6 +16,8 @@ from services.codec.backend import (
     TokenDelta,
     TokenLogprobOut,
 )
+from services.common import grpc_tls
+from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.common.proto_convert import FINISH_FROM_PROTO, sampling_to_proto
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
@@ -30,10 +32,10 @@ UNAVAILABLE = (
 
 
 class GrpcBackend:
-    def __init__(self, router_address: str, tokens: TokenSource) -> None:
+    def __init__(self, router_address: str, tokens: TokenSource, tls: TlsConfig | None = None) -> None:
         self.router_address = router_address
         self.tokens = tokens
-        self.channel = grpc.aio.insecure_channel(router_address)
+        self.channel = grpc_tls.channel(router_address, tls or TlsConfig())
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
         self.router = worker_pb2_grpc.RouterStub(self.channel)
 
