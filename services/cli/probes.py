@@ -10,6 +10,9 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import grpc_tls
+from services.common.config import TlsConfig
+
 LIVENESS_SERVICE = "kvrelay.liveness"  # the worker's health service that fails when its engine loop stalls
 
 
@@ -26,10 +29,11 @@ class GrpcHealthCheck:
     address: str
     timeout_s: float = 1.0
     service: str = ""
+    tls: TlsConfig | None = None  # internal mutual TLS, when the stack runs with it
 
     def is_healthy(self) -> bool:
         options = [("grpc.enable_http_proxy", 0)]
-        with grpc.insecure_channel(self.address, options=options) as channel:
+        with _channel(self.address, self.tls, options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service=self.service)
             try:
@@ -37,6 +41,12 @@ class GrpcHealthCheck:
             except grpc.RpcError:
                 return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _channel(address: str, tls: TlsConfig | None, options: list[tuple[str, int]]) -> grpc.Channel:
+    if tls is None or not grpc_tls.is_enabled(tls):
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, grpc_tls.sync_credentials(tls), options=options)
 
 
 @dataclass(frozen=True)

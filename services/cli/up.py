@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from services.cli.probes import LIVENESS_SERVICE, GrpcHealthCheck, HttpReadyCheck
 from services.cli.supervisor import Role, ServiceSpec, Supervisor, SupervisorOptions
-from services.common.config import KvrelayConfig, dump_config, load_config
+from services.common.config import KvrelayConfig, TlsConfig, dump_config, load_config
 from services.common.errors import KvrelayError, ModelNotFoundError
 from services.common.logs import configure_logging
 
@@ -91,6 +91,7 @@ class StackPlan:
     grpc_port: int | None = None  # the codec's public gRPC API (off when None)
     mode: str = COLOCATED
     worker_roles: tuple[str, ...] = ()  # one per worker port; empty means every worker is colocated
+    tls: TlsConfig | None = None  # internal mutual TLS, for the health probes
 
     def workers(self) -> list[WorkerSlot]:
         """Name and role of every worker, in port order."""
@@ -253,12 +254,22 @@ def build_specs(plan: StackPlan, python: str = sys.executable) -> list[ServiceSp
             "--name": name,
         }
         argv = [*kvrelay, "worker", *_flatten(flags)]
-        liveness = GrpcHealthCheck(address, timeout_s=LIVENESS_TIMEOUT_S, service=LIVENESS_SERVICE)
-        specs.append(ServiceSpec(name, Role.WORKER, argv, plan.env, port, GrpcHealthCheck(address), liveness))
+        liveness = GrpcHealthCheck(
+            address, timeout_s=LIVENESS_TIMEOUT_S, service=LIVENESS_SERVICE, tls=plan.tls
+        )
+        ready = GrpcHealthCheck(address, tls=plan.tls)
+        specs.append(ServiceSpec(name, Role.WORKER, argv, plan.env, port, ready, liveness))
     flags = {**config, **_listen(INTERNAL_HOST, plan.ports.router), "--workers": ",".join(worker_addresses)}
     argv = [*kvrelay, "router", *_flatten(flags)]
     specs.append(
-        ServiceSpec("router", Role.ROUTER, argv, plan.env, plan.ports.router, GrpcHealthCheck(router_address))
+        ServiceSpec(
+            "router",
+            Role.ROUTER,
+            argv,
+            plan.env,
+            plan.ports.router,
+            GrpcHealthCheck(router_address, tls=plan.tls),
+        )
     )
     flags = {**config, **model, "--router": router_address, **_listen(plan.host, plan.ports.codec)}
     if plan.grpc_port:
@@ -308,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             mode=args.mode,
             worker_roles=tuple(w.role for w in workers),
+            tls=cfg.internal_tls,
         )
         return _supervise(plan, args.grace_seconds)
 

@@ -49,13 +49,17 @@ def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig) -> int:
     return server.add_secure_port(address, credentials)
 
 
-def channel(address: str, tls: TlsConfig, options: ChannelOptions = ()) -> grpc.aio.Channel:
-    """An async channel to an internal service, presenting our certificate when TLS is on."""
-    if not is_enabled(tls):
-        return grpc.aio.insecure_channel(address, options=list(options))
-    credentials = grpc.ssl_channel_credentials(
+def sync_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """Client credentials: our certificate, and the CA that signs the servers'."""
+    return grpc.ssl_channel_credentials(
         root_certificates=_read(tls.ca_file),
         private_key=_read(tls.key_file),
         certificate_chain=_read(tls.cert_file),
     )
-    return grpc.aio.secure_channel(address, credentials, options=list(options))
+
+
+def channel(address: str, tls: TlsConfig, options: ChannelOptions = ()) -> grpc.aio.Channel:
+    """An async channel to an internal service, presenting our certificate when TLS is on."""
+    if not is_enabled(tls):
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, sync_credentials(tls), options=list(options))
