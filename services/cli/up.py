@@ -257,8 +257,8 @@ def build_specs(plan: StackPlan, python: str = sys.executable) -> list[ServiceSp
         liveness = GrpcHealthCheck(
             address, timeout_s=LIVENESS_TIMEOUT_S, service=LIVENESS_SERVICE, tls=plan.tls
         )
-        ready = GrpcHealthCheck(address, tls=plan.tls)
-        specs.append(ServiceSpec(name, Role.WORKER, argv, plan.env, port, ready, liveness))
+        readiness = GrpcHealthCheck(address, tls=plan.tls)
+        specs.append(ServiceSpec(name, Role.WORKER, argv, plan.env, port, readiness, liveness))
     flags = {**config, **_listen(INTERNAL_HOST, plan.ports.router), "--workers": ",".join(worker_addresses)}
     argv = [*kvrelay, "router", *_flatten(flags)]
     specs.append(
