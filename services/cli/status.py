@@ -63,12 +63,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+API_KEY_ENV = "KVRELAY_API_KEY"
+
+
 def fetch_status(url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     """GET {url}/status (no proxy); the parsed document, which has a `services` list."""
     status_url = url.rstrip("/") + "/status"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(status_url)
+    api_key = os.environ.get(API_KEY_ENV)
+    if api_key:  # a stack with API keys answers /status only to a key holder
+        request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with opener.open(status_url, timeout=timeout_s) as response:
+        with opener.open(request, timeout=timeout_s) as response:
             body = response.read()
     except urllib.error.HTTPError as exc:
         raise StackUnreachableError(f"{status_url} answered HTTP {exc.code}") from None
