@@ -39,6 +39,16 @@ class WorkerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=self.registry,
         ).labels(**self.labels)
+        self.transfer_seconds = Histogram(
+            "kvrelay_kv_transfer_seconds",
+            "Decode side: from the Prefill call's start to the prompt's KV installed (successful transfers).",
+            list(self.labels),
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
+        ).labels(**self.labels)
+
+    def observe_transfer(self, seconds: float) -> None:
+        self.transfer_seconds.observe(seconds)
 
     def observe_step(self, seconds: float, num_tokens: int, queue_times: list[float]) -> None:
         self.step_seconds.observe(seconds)
@@ -46,6 +56,7 @@ class WorkerMetrics:
             self.queue_seconds.observe(queued)
 
     def watch(self, engine: AsyncEngine, counters: TransferCounters) -> None:
+        counters.on_transfer = self.observe_transfer
         self.registry.register(_EngineCollector(engine, counters, self.labels))
 
     def serve(self, host: str, port: int) -> None:

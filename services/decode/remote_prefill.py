@@ -119,20 +119,26 @@ class RemotePrefill:
             if time_remaining is None
             else min(time_remaining, self.transfer_timeout_s)
         )
+        prefill_request = kvpb.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            tenant_salt=request.tenant_salt,
+            priority=request.priority,
+            num_skip_tokens=num_skip,
+            model_fingerprint=self.model_fingerprint,
+            kv_dtype=dtype_name(self.layout.dtype),
+            transport=remote.transport or "grpc",
+        )
+        receiver = self.receivers.get(prefill_request.transport)
+        try:
+            if receiver is not None:
+                receiver.prepare(prefill_request)  # e.g. the torch transport's rendezvous and tag
+        except KVTransferFault as exc:
+            self._fall_back(request_id, remote.address, transfer, exc)
+            return
         call = self._stub(remote.address).Prefill(
-            kvpb.PrefillRequest(
-                request_id=request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling=request.sampling,
-                tenant_salt=request.tenant_salt,
-                priority=request.priority,
-                num_skip_tokens=num_skip,
-                model_fingerprint=self.model_fingerprint,
-                kv_dtype=dtype_name(self.layout.dtype),
-                transport=remote.transport or "grpc",
-            ),
-            metadata=self.tokens.metadata(request_id),
-            timeout=timeout,
+            prefill_request, metadata=self.tokens.metadata(request_id), timeout=timeout
         )
         try:
             responses = aiter(call)
@@ -152,8 +158,9 @@ class RemotePrefill:
                 self.engine.release(request_id)  # the first token ended it: nothing to decode
                 return
             try:
-                await self._receive(header, responses, request_id, remote.transport or "grpc", transfer)
+                await self._receive(header, responses, request_id, prefill_request, transfer)
                 transfer.seconds = time.monotonic() - started
+                self.counters.observe_transfer(transfer.seconds)
             except TRANSFER_FAILURES as exc:
                 self._fall_back(request_id, remote.address, transfer, exc)
         finally:
@@ -173,19 +180,19 @@ class RemotePrefill:
         header: kvpb.PrefillHeader,
         responses: AsyncIterator[kvpb.PrefillResponse],
         request_id: str,
-        transport: str,
+        prefill_request: kvpb.PrefillRequest,
         transfer: _Transfer,
     ) -> None:
         assembler = KVAssembler(header, self.layout)
-        receiver = self.receivers.get(transport)
+        receiver = self.receivers.get(prefill_request.transport)
         if receiver is None:
-            raise KVTransferFault(f"transport {transport!r} is not offered here")
+            raise KVTransferFault(f"transport {prefill_request.transport!r} is not offered here")
         while not assembler.is_complete:
             item = await anext(responses)
             if item.WhichOneof("item") != "chunk":
                 raise KVTransferFault("a second header in the prefill stream")
             assembler.expect(item.chunk)
-            assembler.add(item.chunk, await receiver.receive(item.chunk, self.layout))
+            assembler.add(item.chunk, await receiver.receive(prefill_request, item.chunk, self.layout))
         export = assembler.export()
         if transfer.first is None:
             raise KVTransferFault("KV arrived without a first token")

@@ -81,15 +81,15 @@ def kv_layout(core: EngineCore) -> Layout:
     return Layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, core.block_size)
 
 
-def _transports() -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:
+def _transports(timeout_s: float) -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:
     senders: dict[str, KVSender] = {"grpc": GrpcSender()}
     receivers: dict[str, KVReceiver] = {"grpc": GrpcReceiver()}
     try:
         from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
     except ImportError:  # torch.distributed is missing from this torch build
         return senders, receivers
-    senders["torch"] = TorchSender()
-    receivers["torch"] = TorchReceiver()
+    senders["torch"] = TorchSender(timeout_s=timeout_s)
+    receivers["torch"] = TorchReceiver(timeout_s=timeout_s)
     return senders, receivers
 
 
@@ -104,7 +104,7 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     metrics.watch(engine, counters)
     if options.metrics_port is not None:
         metrics.serve(options.host, options.metrics_port)
-    senders, receivers = _transports()
+    senders, receivers = _transports(config.disaggregation.transfer_timeout_ms / 1000)
     layout = kv_layout(core)
     info.kv_bytes_per_token = layout.bytes_per_token
     remote = None

@@ -3,12 +3,16 @@ a transport decides where each chunk's tensor goes.
 
 - `GrpcSender` / `GrpcReceiver`: the bytes ride in `KVChunk.data` (the default; works anywhere).
 - `services/kvtransfer/torch_transport.py`: the tensors go over a torch.distributed pair group (gloo
-  between CPU processes, NCCL between GPUs); `KVChunk` then carries only the layout and checksum.
+  between CPU processes, NCCL between GPUs); `KVChunk` then carries only positions, token count and
+  checksum.
+
+The decode side calls `KVReceiver.prepare` on its PrefillRequest before the call (the torch transport
+fills in `rendezvous` and `torch_tag` there), and both sides get that request with every transfer.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import torch
@@ -19,19 +23,30 @@ from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 
 class KVSender(Protocol):
-    """Prefill side: turns one export into its KVChunk messages (and ships tensors out of band)."""
+    """Prefill side: turns one export into its KVChunk messages (and ships tensors out of band). The
+    request is the caller's, with the fields its receiver's `prepare` filled in (rendezvous, tag)."""
 
-    def chunks(self, export: KVExport, layout: Layout) -> AsyncIterator[kvpb.KVChunk]: ...
+    def chunks(
+        self, request: kvpb.PrefillRequest, export: KVExport, layout: Layout
+    ) -> AsyncGenerator[kvpb.KVChunk, None]: ...
 
 
 class KVReceiver(Protocol):
-    """Decode side: the tensor [num_layers, num_tokens, 2, kv_heads, head_dim] of one checked chunk."""
+    """Decode side. `prepare` fills the request's transport fields before the Prefill call (it may raise
+    KVTransferFault: the caller then recomputes); `receive` gives the tensor
+    [num_layers, num_tokens, 2, kv_heads, head_dim] of one chunk of that request, checked."""
 
-    async def receive(self, chunk: kvpb.KVChunk, layout: Layout) -> torch.Tensor: ...
+    def prepare(self, request: kvpb.PrefillRequest) -> None: ...
+
+    async def receive(
+        self, request: kvpb.PrefillRequest, chunk: kvpb.KVChunk, layout: Layout
+    ) -> torch.Tensor: ...
 
 
 class GrpcSender:
-    async def chunks(self, export: KVExport, layout: Layout) -> AsyncIterator[kvpb.KVChunk]:
+    async def chunks(
+        self, request: kvpb.PrefillRequest, export: KVExport, layout: Layout
+    ) -> AsyncGenerator[kvpb.KVChunk, None]:
         for index, piece in enumerate(split(export, layout)):
             data = to_bytes(piece.kv)
             yield kvpb.KVChunk(
@@ -44,7 +59,12 @@ class GrpcSender:
 
 
 class GrpcReceiver:
-    async def receive(self, chunk: kvpb.KVChunk, layout: Layout) -> torch.Tensor:
+    def prepare(self, request: kvpb.PrefillRequest) -> None:
+        """Nothing to set up: the bytes come in the stream itself."""
+
+    async def receive(
+        self, request: kvpb.PrefillRequest, chunk: kvpb.KVChunk, layout: Layout
+    ) -> torch.Tensor:
         if checksum(chunk.data) != chunk.crc32:
             raise KVTransferFault(f"chunk {chunk.index}: checksum mismatch")
         return from_bytes(chunk.data, layout, chunk.num_tokens)

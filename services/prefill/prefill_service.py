@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -22,7 +22,7 @@ from services.common.errors import InvalidRequestError
 from services.common.proto_convert import FINISH_TO_PROTO, sampling_from_proto
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.core import RequestOutput
-from services.kvtransfer.chunks import Layout, dtype_name, num_chunks
+from services.kvtransfer.chunks import KVTransferFault, Layout, dtype_name, num_chunks
 from services.kvtransfer.transport import GrpcSender, KVSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
@@ -38,6 +38,12 @@ class TransferCounters:
     bytes_total: int = 0
     remote_prefills_total: int = 0
     fallbacks_total: int = 0
+    # Called with each completed transfer's seconds on the decode side (the worker's histogram).
+    on_transfer: Callable[[float], None] | None = None
+
+    def observe_transfer(self, seconds: float) -> None:
+        if self.on_transfer is not None:
+            self.on_transfer(seconds)
 
 
 class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
@@ -68,14 +74,15 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             yield kvpb.PrefillResponse(header=self._header(request, output))
             if output.kv is not None:
                 sender = self.senders[request.transport or "grpc"]
-                async for chunk in sender.chunks(output.kv, self.layout):
-                    num_bytes += chunk.num_tokens * self.layout.bytes_per_token
-                    yield kvpb.PrefillResponse(chunk=chunk)
+                async with contextlib.aclosing(sender.chunks(request, output.kv, self.layout)) as chunks:
+                    async for chunk in chunks:
+                        num_bytes += chunk.num_tokens * self.layout.bytes_per_token
+                        yield kvpb.PrefillResponse(chunk=chunk)
                 self.counters.bytes_total += num_bytes
                 self.counters.remote_prefills_total += 1
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineDeadError as exc:
+        except (EngineDeadError, KVTransferFault) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             log.info(

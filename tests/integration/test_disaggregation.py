@@ -36,6 +36,7 @@ class PDStack:
             KVRELAY_MODEL__DTYPE="float32",
             KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="256",
             KVRELAY_ENGINE__MAX_MODEL_LEN="4096",
+            KVRELAY_DISAGGREGATION__POLICY="always",  # remote prefill forced, whatever the estimates say
         )
         self.addresses = {name: f"127.0.0.1:{free_port()}" for name in ("prefill", "decode", "colocated")}
         self.workers = {
@@ -211,7 +212,10 @@ def test_killing_prefill_under_load_fails_no_request(
     threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
+    prefill = pd.stub("prefill")
+    deadline = time.monotonic() + 60
+    while prefill.Load(pb.LoadRequest(), metadata=MD).running == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # kill P while it is prefilling
     pd.workers["prefill"].popen.kill()
     for thread in threads:
         thread.join(300)
