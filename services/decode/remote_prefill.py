@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common import grpc_tls
+from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.common.proto_convert import sampling_from_proto
 from services.decode.outputs import output_to_proto
@@ -55,7 +57,9 @@ class RemotePrefill:
         counters: TransferCounters,
         transfer_timeout_s: float,
         receivers: Mapping[str, KVReceiver] | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
+        self.tls = tls or TlsConfig()
         self.engine = engine
         self.model_fingerprint = model_fingerprint
         self.layout = layout
@@ -216,7 +220,7 @@ class RemotePrefill:
         stub = self._stubs.get(address)
         if stub is None:
             options = [("grpc.max_receive_message_length", 64 << 20)]
-            channel = grpc.aio.insecure_channel(address, options=options)
+            channel = grpc_tls.channel(address, self.tls, options)
             self._channels.append(channel)
             stub = self._stubs[address] = kv_transfer_pb2_grpc.PrefillStub(channel)
         return stub

@@ -110,7 +110,8 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     remote = None
     if options.role != "prefill":
         timeout_s = config.disaggregation.transfer_timeout_ms / 1000
-        remote = RemotePrefill(engine, info.model_fingerprint, layout, tokens, counters, timeout_s, receivers)
+        fingerprint, tls = info.model_fingerprint, config.internal_tls
+        remote = RemotePrefill(engine, fingerprint, layout, tokens, counters, timeout_s, receivers, tls)
     service = WorkerService(engine, info, counters, remote)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
