@@ -21,6 +21,9 @@ into cached and uncached tokens. A failure after the first byte is one `event: e
 Usage: `input_tokens` counts the uncached prompt tokens, `cache_read_input_tokens` the cached ones
 and `cache_creation_input_tokens` is 0, so the three add up to the prompt length, which is what
 count_tokens returns as `input_tokens` for the same body.
+
+Admission is the OpenAI routes' (`openai_common.admit_and_start`): over quota is a 429
+`rate_limit_error`, a full queue a 529 `overloaded_error`, both with Retry-After.
 """
 
 from __future__ import annotations
@@ -33,25 +36,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.codec.disconnect import unless_client_leaves
 from services.codec.errors import ANTHROPIC_REQUEST_ID_HEADER, describe
-from services.codec.generation import (
-    FinishReason,
-    GenerationRequest,
-    GenerationStream,
-    SampleFinished,
-    TextDelta,
-    Usage,
-    build_sampling,
-)
+from services.codec.generation import FinishReason, GenerationStream, SampleFinished, TextDelta, Usage
+from services.codec.limits_errors import AdmissionRefusedError, refusal_response
 from services.codec.metrics import RequestStats
-from services.codec.openai_common import collect_unless_gone
+from services.codec.openai_common import admit_and_start, collect_unless_gone
 from services.codec.prompts import encode_chat, encode_text
 from services.codec.request_body import parse_schema, read_json_object
 from services.codec.schemas.anthropic import CountTokensRequest, MessagesRequest, PromptFields
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.sse import EventStreamResponse, encode_event
-from services.codec.state import CodecState, backend_request_id, codec_state, request_id, request_stats
+from services.codec.state import CodecState, codec_state, request_id, request_stats
 
 PROTOCOL = "anthropic.messages"
 ID_PREFIX = "msg_"
@@ -68,7 +63,20 @@ async def create_message(request: Request) -> Response:
     body = parse_schema(MessagesRequest, await read_json_object(request))
     state.check_model(body.model)
     body.check_supported()
-    generation = await _start(request, state, stats, body, _encode_prompt(state, body))
+    try:
+        generation = await admit_and_start(
+            request,
+            state,
+            stats,
+            body,
+            _encode_prompt(state, body),
+            max_tokens=body.max_tokens,
+            logprobs=None,
+            prompt_param=PROMPT_PARAM,
+            session_key=_session_key(request, state, body),
+        )
+    except AdmissionRefusedError as exc:
+        return refusal_response(exc, anthropic=True)
     head = _MessageHead(f"{ID_PREFIX}{uuid.uuid4().hex}", state.identity.model_name)
     headers = {ANTHROPIC_REQUEST_ID_HEADER: request_id(request)}
     if body.is_stream:
@@ -101,30 +109,6 @@ def _encode_prompt(state: CodecState, body: PromptFields) -> list[int]:
     if prefill:
         token_ids += encode_text(state.tokenizer, prefill, state.metrics, add_special_tokens=False)
     return token_ids
-
-
-async def _start(
-    request: Request, state: CodecState, stats: RequestStats, body: MessagesRequest, prompt_ids: list[int]
-) -> GenerationStream:
-    """Context checks, sampling validation, then the backend. Every refusal happens before any byte."""
-    num_prompt_tokens = len(prompt_ids)
-    max_tokens = await state.admission.resolve_max_tokens(num_prompt_tokens, body.max_tokens, PROMPT_PARAM)
-    info = await state.admission.backend_info()
-    sampling = build_sampling(
-        body.sampling_kwargs(), max_tokens=max_tokens, logprobs=None, vocab_size=info.vocab_size
-    )
-    stats.num_prompt_tokens = num_prompt_tokens
-    generation_request = GenerationRequest(
-        request_id=backend_request_id(request),
-        prompt_token_ids=prompt_ids,
-        sampling=sampling,
-        stop=body.stop_strings(),
-        timeout_s=state.request_timeout_s,
-        session_key=_session_key(request, state, body),
-    )
-    return await unless_client_leaves(
-        request.receive, lambda: state.generator.start(generation_request, stats)
-    )
 
 
 def _session_key(request: Request, state: CodecState, body: MessagesRequest) -> str:

@@ -8,6 +8,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcon
 from fastapi import FastAPI
 
 from services.codec import anthropic_messages, openai_chat, openai_completions, routes_health, routes_misc
+from services.codec.auth import Authenticator, AuthMiddleware
 from services.codec.backend import Backend
 from services.codec.errors import install_error_handlers
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
@@ -25,12 +26,16 @@ def create_app(
     identity: CodecIdentity,
     *,
     serve_alongside: Callable[[CodecState], AbstractAsyncContextManager[object]] | None = None,
+    authenticator: Authenticator | None = None,
 ) -> FastAPI:
     """One codec app over `backend`. The app owns the backend: it is closed when the app shuts down.
 
     `serve_alongside(state)` (the public gRPC server) is entered at startup and exited at shutdown,
-    before the backend closes, so what it serves can finish."""
+    before the backend closes, so what it serves can finish. `authenticator` (default: from
+    `config.auth`, which loads the keys file) is shared with the public gRPC server when there is one."""
     state = CodecState.build(backend, tokenizer, config, identity)
+    if authenticator is None:
+        authenticator = Authenticator.from_config(config.auth)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -49,11 +54,13 @@ def create_app(
         openapi_url=None,
     )
     app.state.codec = state
+    app.state.authenticator = authenticator
     install_error_handlers(app)
     for module in (openai_chat, openai_completions, routes_misc, routes_health):
         app.include_router(module.router)
     app.include_router(anthropic_messages.router)
     install_responses(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)  # added last: outermost
     return app

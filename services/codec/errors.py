@@ -14,6 +14,9 @@ The codec adds these leaves to the common tree (services/common/errors.py); each
     │   ├── UnsupportedMediaTypeError         415
     │   ├── BodyTooLargeError                 413
     │   └── UnknownModelError                 404 code model_not_found, param "model"
+    ├── AuthenticationError                   401 invalid_request_error, code invalid_api_key (a wrong
+    │                                             key) or null (none sent), as OpenAI answers;
+    │                                             Anthropic's shape: authentication_error
     ├── ClientClosedError                     499, logged only: the client left before the response
     │   └── ClientStoppedReadingError         499, logged only: a streamed write waited too long
     ├── BackendRejectedError                  400 (the stack refused what the codec let through)
@@ -45,6 +48,8 @@ from services.common.errors import ContextLengthExceededError, InvalidRequestErr
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+INVALID_API_KEY = "invalid_api_key"
+WWW_AUTHENTICATE = 'Bearer realm="kvrelay"'
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 ANTHROPIC_PATH = "/v1/messages"
@@ -101,6 +106,23 @@ class BodyTooLargeError(InvalidRequestError):
 class UnknownModelError(InvalidRequestError):
     def __init__(self, model: str) -> None:
         super().__init__(f"the model {model!r} does not exist", param="model")
+
+
+class AuthenticationError(KvrelayError):
+    """No API key, or one that is not valid (services/codec/auth.py). The message never holds the key."""
+
+    def __init__(self, *, is_missing: bool) -> None:
+        super().__init__(
+            "no API key: send it as `Authorization: Bearer <key>` or in the `x-api-key` header"
+            if is_missing
+            else "the API key is not valid"
+        )
+        self.is_missing = is_missing
+
+    @property
+    def reason(self) -> str:
+        """ "missing" or "invalid": the metrics label."""
+        return "missing" if self.is_missing else "invalid"
 
 
 class ClientClosedError(KvrelayError):
@@ -171,6 +193,10 @@ def describe(exc: BaseException, request_id: str = "") -> WireError:
             if isinstance(exc, cls):
                 return WireError(status, str(exc), INVALID_REQUEST, exc.param, code)
         return WireError(400, str(exc), INVALID_REQUEST, exc.param)
+    if isinstance(exc, AuthenticationError):
+        code = None if exc.is_missing else INVALID_API_KEY
+        headers = {"WWW-Authenticate": WWW_AUTHENTICATE}
+        return WireError(401, str(exc), INVALID_REQUEST, code=code, headers=headers)
     if isinstance(exc, ClientClosedError):
         return WireError(STATUS_CLIENT_CLOSED, str(exc), INVALID_REQUEST)
     if isinstance(exc, BackendRejectedError):
@@ -191,7 +217,13 @@ def describe(exc: BaseException, request_id: str = "") -> WireError:
 
 def is_expected(exc: BaseException) -> bool:
     """Whether `exc` is a known outcome (no traceback needed in the log)."""
-    expected = (InvalidRequestError, ClientClosedError, BackendRejectedError, BackendUnavailableError)
+    expected = (
+        InvalidRequestError,
+        AuthenticationError,
+        ClientClosedError,
+        BackendRejectedError,
+        BackendUnavailableError,
+    )
     return isinstance(exc, expected)
 
 

@@ -11,11 +11,20 @@ it could still be the start of a stop string. When a stop string matches, the te
 the sample finishes with reason STOP and the matched string, and once no sample is left running the
 backend stream is closed, which aborts the request behind us. Logprobs ride on the next TextDelta of
 their sample (a final TextDelta with empty text carries any left over). No protocol formatting here.
+
+Step timeout: once the first delta has come, each next one must come within `limits.step_timeout_ms`
+(the longest gap between two tokens of one request); past it the stream raises StepTimeoutError and
+is closed, which aborts the request behind us. The wait for the first token is not a step (it
+includes queueing and the whole prefill); the request timeout bounds it.
+
+`start(..., on_close=...)` runs an async callback once when the stream closes, however it closes, with
+the tokens the request used (prompt + generated so far), or None when the backend produced nothing:
+admission control (limits.py) settles or releases its quota and slot there.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -24,6 +33,7 @@ import anyio
 
 from services.codec.backend import Backend, BackendFailedError, GenerateInput, TokenDelta, TokenLogprobOut
 from services.codec.detokenizer import IncrementalDetokenizer
+from services.codec.limits_errors import StepTimeoutError
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.stop_strings import StopStringMatcher
 from services.codec.tokenizer import Tokenizer
@@ -45,6 +55,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     timeout_s: float | None = None
     session_key: str = ""  # routing affinity only (session.py); "" lets the router choose freely
+    # The prefix-cache namespace. None: the authenticated tenant's (auth stamps it on RequestStats), so
+    # it never comes from the request body; set it only from `tenancy.tenant_of(request).cache_salt`.
+    tenant_salt: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class Usage:
 
 
 GenerationEvent = TextDelta | SampleFinished | Usage
+OnClose = Callable[[int | None], Awaitable[None]]  # tokens used (prompt + generated), None: no output
 
 
 def build_sampling(
@@ -99,26 +113,50 @@ def build_sampling(
 class Generator:
     """Starts generations on one backend and counts them (for /status)."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, metrics: CodecMetrics) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        metrics: CodecMetrics,
+        *,
+        step_timeout_s: float | None = None,
+        on_step_timeout: Callable[[], None] | None = None,
+    ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self.step_timeout_s = step_timeout_s
+        self._on_step_timeout = on_step_timeout
         self.num_running = 0
         self.num_requests_total = 0
 
-    async def start(self, request: GenerationRequest, stats: RequestStats) -> GenerationStream:
-        """Sends `request` and waits for its first delta. Backend errors raise here, before any byte."""
+    async def start(
+        self, request: GenerationRequest, stats: RequestStats, *, on_close: OnClose | None = None
+    ) -> GenerationStream:
+        """Sends `request` and waits for its first delta. Backend errors raise here, before any byte.
+        `on_close` runs once when the stream closes (here too, if starting fails)."""
         backend_input = GenerateInput(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling,
             session_key=request.session_key,
+            tenant_salt=_tenant_salt(request, stats),
             timeout_s=request.timeout_s,
         )
         iterator = aiter(self._backend.generate(backend_input))
         self.num_requests_total += 1
         self.num_running += 1
-        stream = GenerationStream(iterator, request, self._tokenizer, self._metrics, stats, self._on_close)
+        stream = GenerationStream(
+            iterator,
+            request,
+            self._tokenizer,
+            self._metrics,
+            stats,
+            self._on_close,
+            step_timeout_s=self.step_timeout_s,
+            on_step_timeout=self._on_step_timeout,
+            on_close_async=on_close,
+        )
         try:
             await stream.prime()
         except BaseException:
@@ -128,6 +166,13 @@ class Generator:
 
     def _on_close(self) -> None:
         self.num_running -= 1
+
+
+def _tenant_salt(request: GenerationRequest, stats: RequestStats) -> bytes:
+    """The request's salt if set, else its authenticated tenant's; b"" (unsalted) only without auth."""
+    if request.tenant_salt is not None:
+        return request.tenant_salt
+    return stats.tenant.cache_salt if stats.tenant is not None else b""
 
 
 class GenerationStream:
@@ -141,16 +186,32 @@ class GenerationStream:
         metrics: CodecMetrics,
         stats: RequestStats,
         on_close: Callable[[], None],
+        *,
+        step_timeout_s: float | None = None,
+        on_step_timeout: Callable[[], None] | None = None,
+        on_close_async: OnClose | None = None,
     ) -> None:
         self._iterator = iterator
         self._request = request
         self._metrics = metrics
         self._stats = stats
         self._on_close = on_close
+        self._on_close_async = on_close_async
+        self._step_timeout_s = step_timeout_s
+        self._on_step_timeout = on_step_timeout
         self._samples = [_Sample(index, request, tokenizer) for index in range(request.sampling.n)]
         self._first: TokenDelta | None = None
         self._num_cached_tokens = 0
+        self._num_deltas = 0
+        self._num_generated_tokens = 0  # as the backend sent them, also past a stop string
         self._is_closed = False
+
+    @property
+    def tokens_used(self) -> int | None:
+        """Prompt + tokens generated so far, or None while the backend has produced nothing."""
+        if not self._num_deltas:
+            return None
+        return len(self._request.prompt_token_ids) + self._num_generated_tokens
 
     async def prime(self) -> None:
         self._first = await self._next_delta()
@@ -199,10 +260,21 @@ class GenerationStream:
     async def _next_delta(self) -> TokenDelta | None:
         if self._is_closed:
             return None
+        timeout_s = self._step_timeout_s if self._num_deltas else None  # the first token is no step
+        delta: TokenDelta | None = None
         try:
-            return await anext(self._iterator)
+            with anyio.move_on_after(timeout_s) as step:
+                delta = await anext(self._iterator)
         except StopAsyncIteration:
             return None
+        if step.cancelled_caught:  # our deadline: cancelling `anext` aborted the backend stream
+            if self._on_step_timeout is not None:
+                self._on_step_timeout()
+            raise StepTimeoutError(timeout_s or 0.0)
+        assert delta is not None
+        self._num_deltas += 1
+        self._num_generated_tokens += len(delta.token_ids)
+        return delta
 
     async def aclose(self) -> None:
         """Closes the backend stream (aborting the request if it still runs). Safe to call twice."""
@@ -216,6 +288,8 @@ class GenerationStream:
                     await aclose()
             finally:
                 self._on_close()
+                if self._on_close_async is not None:
+                    await self._on_close_async(self.tokens_used)
 
 
 class _Sample:

@@ -2,8 +2,11 @@
 
 Each RPC runs the pieces its HTTP twin runs: the request is read in the HTTP schema's terms
 (grpc_public_requests.py), the prompt is rendered and tokenized by prompts.py, `openai_common.admit`
-applies the context checks and sampling validation, and generation.py produces the text events that
-become stream messages here. Every refusal happens before the backend sees the request.
+applies the context checks and sampling validation, `openai_common.start_generation` the call
+tenant's quotas and a slot in the fair queue (limits.py), and generation.py produces the text events
+that become stream messages here. Every refusal happens before the backend sees the request. Over
+quota and saturation are RESOURCE_EXHAUSTED, with the wait in the trailing metadata `retry-after`
+(seconds); a quota store that is down with quotas failing closed is UNAVAILABLE.
 
 Errors go through `errors.describe` (the codec's one mapping from an exception to a wire error), then
 from its HTTP status to a gRPC code (GRPC_CODES). A client that cancels cancels the handler's task; the
@@ -22,6 +25,7 @@ from typing import TypeVar
 
 import grpc
 
+from services.codec.auth import rpc_tenant
 from services.codec.errors import describe, is_expected
 from services.codec.generation import (
     FinishReason,
@@ -32,9 +36,10 @@ from services.codec.generation import (
     Usage,
 )
 from services.codec.grpc_public_requests import chat_request, completion_request
+from services.codec.limits_errors import AdmissionRefusedError, OverloadedError, RateLimitedError
 from services.codec.metrics import STATUS_CLIENT_CLOSED, RequestStats
 from services.codec.middleware import log_access, new_request_ids
-from services.codec.openai_common import admit
+from services.codec.openai_common import admit, start_generation
 from services.codec.prompts import encode_chat, encode_prompt
 from services.codec.schemas.openai import SamplingFields
 from services.codec.session import SESSION_HEADER, session_key
@@ -48,6 +53,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 PROTOCOLS = {"Chat": "grpc.chat", "Generate": "grpc.generate"}  # method → metrics/access-log protocol
 STATUS_OK = 200
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata on RESOURCE_EXHAUSTED: seconds to wait
 
 # The HTTP status `describe` gives an error → the gRPC code it becomes; anything else is INTERNAL.
 GRPC_CODES: dict[int, grpc.StatusCode] = {
@@ -139,6 +145,10 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed
             status = STATUS_CLIENT_CLOSED
             raise
+        except AdmissionRefusedError as exc:
+            status = exc.status
+            retry_after = ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
+            await context.abort(_refusal_code(exc), str(exc), trailing_metadata=retry_after)
         except Exception as exc:
             error = describe(exc, request_id)
             status = error.status
@@ -159,6 +169,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         prepared: PreparedRequest,
         response_cls: type[ResponseT],
     ) -> None:
+        tenant = rpc_tenant()  # set by the auth interceptor for this call
         generation_request = await admit(
             self._state,
             stats,
@@ -170,8 +181,9 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
             prompt_param=prepared.prompt_param,
             timeout_s=self._timeout_s(context),
             session_key=prepared.session_key,
+            tenant_salt=tenant.cache_salt,
         )
-        generation = await self._state.generator.start(generation_request, stats)
+        generation = await start_generation(self._state, tenant.tenant_id, generation_request, stats)
         try:
             async with aclosing(response_messages(generation, response_cls)) as messages:
                 async for message in messages:
@@ -238,6 +250,13 @@ def logprob_message(item: TokenLogprob) -> pb.OutputLogprob:
             for top in item.top
         ],
     )
+
+
+def _refusal_code(exc: AdmissionRefusedError) -> grpc.StatusCode:
+    """Over quota and a full queue: RESOURCE_EXHAUSTED; the quota store down (fail closed): UNAVAILABLE."""
+    if isinstance(exc, RateLimitedError | OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.UNAVAILABLE
 
 
 def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:

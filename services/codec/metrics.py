@@ -3,7 +3,10 @@ per-request timings that feed them and the access log.
 
 `RequestStats` is filled while a request runs (the handler sets the protocol and token counts, the
 generation stream records token arrival); the middleware hands it to `CodecMetrics.observe_request`
-once the response is finished.
+once the response is finished. The auth middleware stamps the request's tenant and key ID on it
+(`identify`), which labels the per-tenant prefix-cache counters and fills the audit line. On the public
+gRPC API the auth interceptor sets `CALL_TENANT` for the call instead, and stats created within the
+call take their tenant from it.
 """
 
 from __future__ import annotations
@@ -11,15 +14,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from services.codec.tenancy import DEFAULT_TENANT, Tenant
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client went away first"
+
+# The authenticated tenant of the running public gRPC call (each call runs in its own task and context).
+CALL_TENANT: ContextVar[Tenant | None] = ContextVar("kvrelay_call_tenant", default=None)
 
 
 class StreamOutcome(Enum):
@@ -49,6 +58,25 @@ class RequestStats:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     stream_outcome: StreamOutcome | None = None
+    tenant: Tenant | None = None  # set by auth (None: refused before it, or a probe path)
+    queue_wait_s: float | None = None  # time spent waiting for admission, when it had to wait
+
+    def __post_init__(self) -> None:
+        if self.tenant is None:
+            self.tenant = CALL_TENANT.get()
+
+    def identify(self, tenant: Tenant) -> None:
+        """Whose request this is: its prefix-cache salt, its prefix-cache counts and its audit line."""
+        self.tenant = tenant
+
+    @property
+    def tenant_id(self) -> str | None:
+        return None if self.tenant is None else self.tenant.tenant_id
+
+    @property
+    def key_id(self) -> str | None:
+        """The API key's public ID; None in open mode or before auth."""
+        return None if self.tenant is None else self.tenant.key_id
 
     def record_delta(self) -> None:
         """A token delta arrived from the backend now."""
@@ -117,6 +145,24 @@ class CodecMetrics:
             buckets=STAGE_BUCKETS,
             registry=self.registry,
         )
+        self.prefix_cache_query_tokens = Counter(
+            "kvrelay_prefix_cache_query_tokens_total",
+            "Prompt tokens of finished generation requests, per tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "kvrelay_prefix_cache_hit_tokens_total",
+            "Prompt tokens served from the prefix cache (usage cached_tokens), per tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.auth_failures = Counter(
+            "kvrelay_auth_failures_total",
+            "Requests refused for a missing or invalid API key.",
+            ["reason"],
+            registry=self.registry,
+        )
 
     @contextmanager
     def time_stage(self, stage: str) -> Iterator[None]:
@@ -140,6 +186,19 @@ class CodecMetrics:
             self.inter_token.observe(interval)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_completion_tokens)
+        self.observe_prefix_cache(
+            stats.tenant_id or DEFAULT_TENANT, stats.num_prompt_tokens, stats.num_cached_tokens
+        )
+
+    def observe_prefix_cache(self, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One request's prefix-cache use, from its usage. `observe_request` calls it for every finished
+        generation request (HTTP and gRPC); call it directly only for work that bypasses that."""
+        self.prefix_cache_query_tokens.labels(tenant=tenant_id).inc(num_prompt_tokens)
+        self.prefix_cache_hit_tokens.labels(tenant=tenant_id).inc(num_cached_tokens)
+
+    def observe_auth_failure(self, reason: str) -> None:
+        """A request refused by auth; `reason` is "missing" or "invalid"."""
+        self.auth_failures.labels(reason=reason).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

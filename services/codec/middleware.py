@@ -3,9 +3,11 @@
 `RequestContextMiddleware` (outermost) gives every request an ID (a sane client `x-request-id`, else
 `req_<hex>`), puts it and a `RequestStats` in the scope state, adds `x-request-id` to every response,
 turns an exception nothing else handled into a 500 in OpenAI's shape (logged with the ID, never
-leaked), and when the response is done records metrics and writes one JSON access-log line with
-timings and token counts, never text. A stream that ended badly after its 200 is logged and counted
-with the status it would have had (500 failed, 499 client gone) and its `outcome`.
+leaked), and when the response is done records metrics and writes the request's one audit line (JSON,
+logger "kvrelay.access"): key ID, tenant, route, status, timings and token counts, never text. A
+stream that ended badly after its 200 is logged and counted with the status it would have had (500
+failed, 499 client gone) and its `outcome`. Auth (services/codec/auth.py) runs inside it, so a 401
+gets its line too.
 
 `BodyLimitMiddleware` refuses a body over the limit: at once from Content-Length, else while the body
 streams in (the read raises BodyTooLargeError, a 413), so an oversize body is never buffered whole.
@@ -130,18 +132,23 @@ def _log_access(scope: Scope, stats: RequestStats, status: int) -> None:
 
 
 def log_access(stats: RequestStats, status: int, *, method: str, route: str, is_quiet: bool = False) -> None:
-    """One JSON access-log line: timings and token counts, never text. The public gRPC API logs with it
-    too (method "gRPC", route the full method name, status the HTTP-equivalent). `status` is the one the
-    metrics count: a stream that ended badly after its 200 logs 500 or 499, with `http_status` 200."""
+    """One JSON audit line per request: who (key ID, tenant), what (route, status), timings and token
+    counts, never text. The public gRPC API logs with it too (method "gRPC", route the full method name,
+    status the HTTP-equivalent). `status` is the one the metrics count: a stream that ended badly after
+    its 200 logs 500 or 499, with `http_status` 200. The fields are listed in docs/admission.md."""
     ttft = stats.ttft_s
+    queue_wait = stats.queue_wait_s
     fields = {
         "request_id": stats.request_id,
+        "key_id": stats.key_id,
+        "tenant": stats.tenant_id,
         "method": method,
         "route": route,
         "status": stats.effective_status(status),
         "http_status": status,
         "protocol": stats.protocol,
         "outcome": stats.stream_outcome.value if stats.stream_outcome else None,
+        "queue_ms": None if queue_wait is None else round(queue_wait * 1000, 3),
         "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
         "e2e_ms": round((time.perf_counter() - stats.started_s) * 1000, 3),
         "prompt_tokens": stats.num_prompt_tokens,

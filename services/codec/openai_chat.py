@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.codec.generation import GenerationStream, SampleFinished, TextDelta, TokenLogprob, Usage
+from services.codec.limits_errors import AdmissionRefusedError, refusal_response
 from services.codec.openai_common import (
     CollectedSample,
     Envelope,
@@ -49,22 +50,25 @@ async def create_chat_completion(request: Request) -> Response:
     body.check_supported()
     messages = body.template_messages()
     prompt_ids = encode_chat(state.require_chat_template(), state.tokenizer, messages, state.metrics)
-    generation = await admit_and_start(
-        request,
-        state,
-        stats,
-        body,
-        prompt_ids,
-        max_tokens=body.requested_max_tokens,
-        logprobs=body.num_top_logprobs,
-        prompt_param="messages",
-        session_key=session_key(
-            header=request.headers.get(SESSION_HEADER),
-            client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
-            model=state.identity.model_name,
-            messages=messages,
-        ),
-    )
+    try:
+        generation = await admit_and_start(
+            request,
+            state,
+            stats,
+            body,
+            prompt_ids,
+            max_tokens=body.requested_max_tokens,
+            logprobs=body.num_top_logprobs,
+            prompt_param="messages",
+            session_key=session_key(
+                header=request.headers.get(SESSION_HEADER),
+                client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
+                model=state.identity.model_name,
+                messages=messages,
+            ),
+        )
+    except AdmissionRefusedError as exc:
+        return refusal_response(exc)
     envelope = Envelope.new(
         ID_PREFIX, "chat.completion.chunk" if body.is_stream else "chat.completion", state
     )

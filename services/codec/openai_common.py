@@ -1,6 +1,16 @@
-"""What the two OpenAI text protocols share: admission and start, the response envelope, usage,
-collecting a non-streamed result, and streaming with OpenAI's in-band error event. `admit` is
-protocol-neutral; the public gRPC API (grpc_public.py), which reuses these schemas, calls it too.
+"""What the text protocols share: admission and start, the response envelope, usage, collecting a
+non-streamed result, and streaming with OpenAI's in-band error event. `admit_and_start` serves every
+HTTP protocol (Anthropic's Messages too); `admit` and `start_generation` are protocol-neutral, and the
+public gRPC API (grpc_public.py), which reuses these schemas, calls them too.
+
+Admission order, every refusal before any response byte:
+
+    admit              context length and sampling checks          400 (the backend never sees it)
+    start_generation   quotas (tenant and global, per minute)      429 + Retry-After
+                       a concurrency slot, in the fair queue       503 (529 on /v1/messages) when full
+                       the backend, waiting for the first token
+
+The quota reservation and the slot are given back when the generation stream closes (limits.py).
 """
 
 from __future__ import annotations
@@ -8,8 +18,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -25,16 +35,24 @@ from services.codec.generation import (
     build_sampling,
 )
 from services.codec.metrics import RequestStats, StreamOutcome
-from services.codec.schemas.openai import SamplingFields
 from services.codec.sse import EventStreamResponse, encode_event
 from services.codec.state import CodecState, backend_request_id, codec_state, request_id
+from services.codec.tenancy import tenant_of
+
+
+class SamplingSource(Protocol):
+    """What admission reads from a request body (OpenAI's SamplingFields, Anthropic's MessagesRequest)."""
+
+    def sampling_kwargs(self) -> dict[str, Any]: ...
+
+    def stop_strings(self) -> tuple[str, ...]: ...
 
 
 async def admit_and_start(
     request: Request,
     state: CodecState,
     stats: RequestStats,
-    fields: SamplingFields,
+    fields: SamplingSource,
     prompt_token_ids: list[int],
     *,
     max_tokens: int | None,
@@ -42,7 +60,10 @@ async def admit_and_start(
     prompt_param: str,
     session_key: str = "",
 ) -> GenerationStream:
-    """Context checks, sampling validation, then the backend. Every refusal happens before any byte."""
+    """Context checks and sampling validation, quotas, a slot, then the backend (see the module doc).
+    Every refusal happens before any byte: InvalidRequestError, or an AdmissionRefusedError
+    (limits_errors.py) that the route answers with `refusal_response`."""
+    tenant = tenant_of(request)
     generation_request = await admit(
         state,
         stats,
@@ -54,17 +75,41 @@ async def admit_and_start(
         prompt_param=prompt_param,
         timeout_s=state.request_timeout_s,
         session_key=session_key,
+        tenant_salt=tenant.cache_salt,
     )
-    # A client that leaves while the request waits for its first token aborts it there and then.
+    # A client that leaves while queued, or while waiting for its first token, is dropped there and then.
     return await unless_client_leaves(
-        request.receive, lambda: state.generator.start(generation_request, stats)
+        request.receive, lambda: start_generation(state, tenant.tenant_id, generation_request, stats)
     )
+
+
+async def start_generation(
+    state: CodecState, tenant_id: str, generation_request: GenerationRequest, stats: RequestStats
+) -> GenerationStream:
+    """Quotas (429), then a concurrency slot in the fair queue (503/529 when saturated), then the
+    backend. The reservation is for prompt + n × max_tokens; it and the slot are given back when the
+    stream closes, or here if starting fails (limits.py). Time spent queued counts against the
+    request's timeout."""
+    sampling = generation_request.sampling
+    num_tokens = len(generation_request.prompt_token_ids) + sampling.n * sampling.max_tokens
+    lease = await state.limits.enter(tenant_id, num_tokens, generation_request.timeout_s)
+    try:
+        waited_s = lease.waited_s
+        if waited_s is not None:
+            stats.queue_wait_s = waited_s
+            if generation_request.timeout_s is not None:
+                remaining_s = max(generation_request.timeout_s - waited_s, 0.001)
+                generation_request = replace(generation_request, timeout_s=remaining_s)
+        return await state.generator.start(generation_request, stats, on_close=lease.close)
+    except BaseException:
+        await lease.close(None)  # does nothing when the failed stream's close already gave it back
+        raise
 
 
 async def admit(
     state: CodecState,
     stats: RequestStats,
-    fields: SamplingFields,
+    fields: SamplingSource,
     prompt_token_ids: list[int],
     *,
     request_id: str,
@@ -73,9 +118,11 @@ async def admit(
     prompt_param: str,
     timeout_s: float | None,
     session_key: str = "",
+    tenant_salt: bytes | None = None,
 ) -> GenerationRequest:
     """The request to start, after the context checks and sampling validation (protocol-neutral: the
-    public gRPC API uses it too). Refusals raise InvalidRequestError subclasses."""
+    public gRPC API uses it too). Refusals raise InvalidRequestError subclasses. `tenant_salt` comes
+    from the authenticated tenant only (None: the tenant on `stats`, see generation.py)."""
     num_prompt_tokens = len(prompt_token_ids)
     resolved = await state.admission.resolve_max_tokens(num_prompt_tokens, max_tokens, prompt_param)
     info = await state.admission.backend_info()
@@ -90,6 +137,7 @@ async def admit(
         stop=fields.stop_strings(),
         timeout_s=timeout_s,
         session_key=session_key,
+        tenant_salt=tenant_salt,
     )
 
 

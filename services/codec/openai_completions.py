@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.codec.generation import GenerationStream, SampleFinished, TextDelta, TokenLogprob, Usage
+from services.codec.limits_errors import AdmissionRefusedError, refusal_response
 from services.codec.openai_common import (
     CollectedSample,
     Envelope,
@@ -50,17 +51,20 @@ async def create_completion(request: Request) -> Response:
     prompt_ids = await encode_prompt(
         body.single_prompt(), state.tokenizer, state.admission, state.metrics, "prompt"
     )
-    generation = await admit_and_start(
-        request,
-        state,
-        stats,
-        body,
-        prompt_ids,
-        max_tokens=body.max_tokens,
-        logprobs=body.logprobs,
-        prompt_param="prompt",
-        session_key=session_key(header=request.headers.get(SESSION_HEADER)),  # no turns: header only
-    )
+    try:
+        generation = await admit_and_start(
+            request,
+            state,
+            stats,
+            body,
+            prompt_ids,
+            max_tokens=body.max_tokens,
+            logprobs=body.logprobs,
+            prompt_param="prompt",
+            session_key=session_key(header=request.headers.get(SESSION_HEADER)),  # no turns: header only
+        )
+    except AdmissionRefusedError as exc:
+        return refusal_response(exc)
     envelope = Envelope.new(ID_PREFIX, OBJECT, state)
     num_samples = body.n or 1
     if body.is_stream:

@@ -15,7 +15,8 @@ each lifecycle event. Stream sequence (`event:` equals the data's `type`; `seque
 
 A failure after the first byte sends `error`, then `response.failed`, then `data: [DONE]`. A response
 is stored (for GET and continuation) when it completes or is incomplete, unless `store` is false.
-Unknown or foreign response IDs are a 404; the tenant is "default" until auth supplies one.
+Stored responses are scoped to the authenticated tenant (tenancy.py; "default" in open mode): unknown
+or another tenant's response IDs are a 404.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.codec import tenancy
 from services.codec.errors import (
     INVALID_REQUEST,
     UnsupportedParameterError,
@@ -37,6 +39,7 @@ from services.codec.errors import (
     error_response,
 )
 from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
+from services.codec.limits_errors import AdmissionRefusedError, refusal_response
 from services.codec.openai_common import admit_and_start, collect_unless_gone
 from services.codec.openai_responses_events import Lifecycle, ResponseDraft
 from services.codec.prompts import encode_chat
@@ -49,7 +52,6 @@ from services.codec.state import codec_state, request_id, request_stats
 from services.common.errors import InvalidRequestError
 
 PROTOCOL = "responses"
-DEFAULT_TENANT = "default"  # every caller, until auth supplies a tenant key
 
 
 class PreviousResponseNotFoundError(InvalidRequestError):
@@ -74,8 +76,8 @@ def install_responses(app: FastAPI, store: ResponseStore | None = None) -> None:
 
 
 def tenant_of(request: Request) -> str:
-    """Whose stored responses this request sees. Auth will supply the tenant key; now it is fixed."""
-    return DEFAULT_TENANT
+    """Whose stored responses this request sees: the authenticated tenant's ID."""
+    return tenancy.tenant_of(request).tenant_id
 
 
 def response_store(app: FastAPI) -> ResponseStore:
@@ -119,6 +121,8 @@ async def create_response(request: Request) -> Response:
         )
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None
+    except AdmissionRefusedError as exc:
+        return refusal_response(exc)
     draft = ResponseDraft.new(body, state.identity.model_name)
     keeper = _Keeper(store if body.is_stored else None, tenant, draft.response_id, history)
     if body.is_stream:

@@ -2,8 +2,10 @@
 with a gRPC port, the public gRPC API (grpc_public_server.py) on the same event loop.
 
 The tokenizer directory is checked against its manifest (tokenizer scope) first, so the fingerprints
-the codec reports are those of the files it actually loaded. On SIGTERM/SIGINT, HTTP and gRPC drain
-together (each for up to the grace period), then the backend closes.
+the codec reports are those of the files it actually loaded. The API keys file (auth.keys_file) is
+loaded before serving, once for HTTP and gRPC; without one the codec logs that it runs in open mode.
+On SIGTERM/SIGINT, HTTP and gRPC drain together (each for up to the grace period), then the backend
+closes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from pathlib import Path
 import uvicorn
 
 from services.codec.app import create_app
+from services.codec.auth import Authenticator
 from services.codec.backend import Backend
 from services.codec.grpc_public_server import PublicGrpcServer
 from services.codec.state import CodecIdentity
 from services.codec.tokenizer import Tokenizer
-from services.common.config import KvrelayConfig, load_config
+from services.common.config import KvrelayConfig, TlsConfig, load_config
 from services.common.logs import configure_logging
 from services.common.manifest import load_verified_manifest
 
@@ -50,12 +53,12 @@ def load_tokenizer(model_dir: Path, config: KvrelayConfig) -> tuple[Tokenizer, C
     return tokenizer, CodecIdentity(name, manifest.tokenizer_fingerprint, manifest.model_fingerprint)
 
 
-def connect_backend(router_address: str) -> Backend:
+def connect_backend(router_address: str, tls: TlsConfig | None = None) -> Backend:
     """The gRPC backend to the router. Call inside the running event loop (gRPC aio binds to it)."""
     from services.codec.grpc_backend import GrpcBackend
     from services.common.grpc_auth import TokenSource
 
-    return GrpcBackend(router_address, TokenSource.from_env())
+    return GrpcBackend(router_address, TokenSource.from_env(), tls)
 
 
 class CodecServer(uvicorn.Server):
@@ -74,15 +77,20 @@ class CodecServer(uvicorn.Server):
 
 async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
     tokenizer, identity = load_tokenizer(options.model_dir, config)
+    authenticator = Authenticator.from_config(config.auth)  # one key store for HTTP and gRPC
+    log_auth_mode(authenticator)
     public_grpc = (
-        PublicGrpcServer(options.host, options.grpc_port, options.grace_s) if options.grpc_port else None
+        PublicGrpcServer(options.host, options.grpc_port, options.grace_s, authenticator)
+        if options.grpc_port
+        else None
     )
     app = create_app(
-        connect_backend(options.router_address),
+        connect_backend(options.router_address, config.internal_tls),
         tokenizer,
         config,
         identity,
         serve_alongside=public_grpc.serving if public_grpc else None,
+        authenticator=authenticator,
     )
     server_config = uvicorn.Config(
         app,
@@ -104,6 +112,17 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         },
     )
     await CodecServer(server_config, public_grpc).serve()
+
+
+def log_auth_mode(authenticator: Authenticator) -> None:
+    """Open mode is said out loud at start; key mode names the file and how many keys it holds."""
+    if authenticator.store is None:
+        logger.warning("open mode: no API keys, every request is tenant default")
+        return
+    logger.info(
+        "API keys required",
+        extra={"keys_file": str(authenticator.store.path), "num_keys": authenticator.store.num_keys},
+    )
 
 
 def main(args: argparse.Namespace) -> int:

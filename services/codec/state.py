@@ -2,11 +2,13 @@
 
 `create_app` builds one `CodecState` and stores it on `app.state.codec`; routes reach it through
 `codec_state(request)`. Per-request values (request ID, `RequestStats`) live in the ASGI scope's
-state, set by the middleware.
+state, set by the middleware. `limits` is admission control (quotas and the fair queue, limits.py);
+its quota store may hold a Redis client, which `aclose` closes at shutdown.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +19,8 @@ from services.codec.backend import Backend
 from services.codec.chat_template import ChatTemplate, chat_template_from_tokenizer
 from services.codec.errors import UnknownModelError
 from services.codec.generation import Generator
+from services.codec.limits import AdmissionLimits
+from services.codec.limits_metrics import LimitsMetrics
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.readiness import Readiness
 from services.codec.tokenizer import Tokenizer
@@ -56,6 +60,7 @@ class CodecState:
     admission: Admission
     generator: Generator
     readiness: Readiness
+    limits: AdmissionLimits
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -63,6 +68,7 @@ class CodecState:
         cls, backend: Backend, tokenizer: Tokenizer, config: KvrelayConfig, identity: CodecIdentity
     ) -> CodecState:
         metrics = CodecMetrics()
+        limits_metrics = LimitsMetrics(metrics.registry)
         return cls(
             identity=identity,
             config=config,
@@ -71,9 +77,20 @@ class CodecState:
             chat_template=_chat_template(tokenizer),
             metrics=metrics,
             admission=Admission(backend, config.limits),
-            generator=Generator(backend, tokenizer, metrics),
+            generator=Generator(
+                backend,
+                tokenizer,
+                metrics,
+                step_timeout_s=config.limits.step_timeout_ms / 1000.0,
+                on_step_timeout=limits_metrics.step_timeouts.inc,
+            ),
             readiness=Readiness(backend, identity.tokenizer_fingerprint),
+            limits=AdmissionLimits.from_config(config, limits_metrics, os.environ),
         )
+
+    async def aclose(self) -> None:
+        """Releases what the state holds besides the backend (the quota store's connections)."""
+        await self.limits.aclose()
 
     def check_model(self, model: str | None) -> None:
         """404 model_not_found unless `model` is the served name (None is allowed where optional)."""

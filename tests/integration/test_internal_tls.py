@@ -3,6 +3,7 @@ a client without a certificate signed by the CA gets nothing."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -87,3 +88,60 @@ def test_router_and_worker_speak_mutual_tls(tmp_path: Path) -> None:
     finally:
         router.stop()
         worker.stop()
+
+
+def test_kv_transfer_runs_over_mutual_tls(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    model = make_tiny_llama(tmp_path / "tiny")
+    env = stack_env(
+        TOKEN,
+        KVRELAY_MODEL__DTYPE="float32",
+        KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="8",
+        KVRELAY_DISAGGREGATION__POLICY="always",
+        **certs.env(),
+    )
+    addresses = {role: f"127.0.0.1:{free_port()}" for role in ("prefill", "decode")}
+    workers = {
+        role: Proc(
+            [
+                "worker",
+                "--model",
+                str(model),
+                "--role",
+                role,
+                "--port",
+                address.split(":")[1],
+                "--threads",
+                "1",
+            ],
+            env,
+            tmp_path / f"{role}.log",
+        )
+        for role, address in addresses.items()
+    }
+    router_address = f"127.0.0.1:{free_port()}"
+    router = Proc(
+        ["router", "--port", router_address.split(":")[1], "--workers", ",".join(addresses.values())],
+        env,
+        tmp_path / "router.log",
+    )
+    try:
+        for role, proc in workers.items():
+            wait_serving_tls(addresses[role], certs, proc)
+        wait_serving_tls(router_address, certs, router)
+        with secure_channel(router_address, certs) as channel:
+            status = worker_pb2_grpc.RouterStub(channel)
+            for _ in range(100):
+                if sum(r.ready for r in status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas) == 2:
+                    break
+                time.sleep(0.1)
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            request = pb.GenerateRequest(
+                request_id="pd", prompt_token_ids=list(range(3, 60)), sampling=sampling_to_proto(params)
+            )
+            responses = list(worker_pb2_grpc.WorkerStub(channel).Generate(request, metadata=MD, timeout=60))
+        assert sum(len(r.token_ids) for r in responses) == 6
+        assert responses[-1].prefill_mode == pb.PREFILL_MODE_REMOTE and responses[-1].kv_transfer_bytes > 0
+    finally:
+        for proc in [router, *workers.values()]:
+            proc.stop()
