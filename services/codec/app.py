@@ -43,6 +43,7 @@ def create_app(
             async with serve_alongside(state) if serve_alongside else nullcontext():
                 yield
         finally:
+            await state.aclose()
             await backend.close()
 
     app = FastAPI(
