@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.codec.server import DEFAULT_GRACE_S
+DEFAULT_GRACE_S = 30.0  # kept equal to services.codec.server's; importing it here would pull in uvicorn
 
 
 def register(sub: argparse._SubParsersAction) -> None:

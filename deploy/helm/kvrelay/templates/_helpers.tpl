@@ -1,0 +1,268 @@
+{{/* Names ------------------------------------------------------------------------------------- */}}
+
+{{- define "kvrelay.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's prefix: the release name (so the decode Deployment is <release>-decode), or
+     fullnameOverride. */}}
+{{- define "kvrelay.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "<fullname>-<component>", e.g. the decode Deployment and its headless Service. */}}
+{{- define "kvrelay.componentName" -}}
+{{- printf "%s-%s" (include "kvrelay.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvrelay.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels: call with (dict "root" $ "component" "codec"). */}}
+{{- define "kvrelay.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvrelay.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kvrelay.labels" -}}
+helm.sh/chart: {{ include "kvrelay.chart" .root }}
+{{ include "kvrelay.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvrelay
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{/* Images ------------------------------------------------------------------------------------ */}}
+
+{{- define "kvrelay.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{- define "kvrelay.repository" -}}
+{{- if .root.Values.image.registry }}
+{{- printf "%s/%s" (trimSuffix "/" .root.Values.image.registry) .repository }}
+{{- else }}
+{{- .repository }}
+{{- end }}
+{{- end }}
+
+{{- define "kvrelay.codecImage" -}}
+{{- printf "%s:%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.codec.repository)) (include "kvrelay.imageTag" .) }}
+{{- end }}
+
+{{- define "kvrelay.routerImage" -}}
+{{- printf "%s:%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.router.repository)) (include "kvrelay.imageTag" .) }}
+{{- end }}
+
+{{/* The worker image: the -cuda variant with GPUs, else -cpu. */}}
+{{- define "kvrelay.workerImage" -}}
+{{- $variant := ternary "cuda" "cpu" .Values.gpu.enabled }}
+{{- printf "%s:%s-%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.worker.repository)) (include "kvrelay.imageTag" .) $variant }}
+{{- end }}
+
+{{/* Paths and names shared by templates ------------------------------------------------------ */}}
+
+{{- define "kvrelay.modelDir" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.version }}
+{{- end }}
+
+{{- define "kvrelay.configPath" -}}/etc/kvrelay/config/config.yaml{{- end }}
+{{- define "kvrelay.keysDir" -}}/etc/kvrelay/keys{{- end }}
+{{- define "kvrelay.tokenDir" -}}/var/run/kvrelay/internal-token{{- end }}
+
+{{- define "kvrelay.tokenSecretName" -}}
+{{- default (include "kvrelay.componentName" (dict "root" . "component" "internal-token")) .Values.internalToken.existingSecret }}
+{{- end }}
+
+{{- define "kvrelay.routerServiceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "kvrelay.componentName" (dict "root" . "component" "router")) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The router's gRPC address inside the cluster (what the codec dials). */}}
+{{- define "kvrelay.routerAddress" -}}
+{{- printf "%s:%v" (include "kvrelay.componentName" (dict "root" . "component" "router")) .Values.router.port }}
+{{- end }}
+
+{{/* The Redis URL for the bundled Redis; external URLs come from values or a Secret. */}}
+{{- define "kvrelay.bundledRedisUrl" -}}
+{{- printf "redis://%s:6379/0" (include "kvrelay.componentName" (dict "root" . "component" "redis")) }}
+{{- end }}
+
+{{- define "kvrelay.redisInUse" -}}
+{{- if and (or .Values.redis.quotas .Values.redis.responses) (or .Values.redis.enabled .Values.redis.external.url .Values.redis.external.existingSecret) }}true{{- end }}
+{{- end }}
+
+{{/* The kvrelay config file: values' `config`, then what the chart decides (the chart wins). */}}
+{{- define "kvrelay.configYaml" -}}
+{{- $cfg := deepCopy (default dict .Values.config) }}
+{{- $model := dict "path" (include "kvrelay.modelDir" .) }}
+{{- if .Values.model.servedName }}{{- $_ := set $model "served_name" .Values.model.servedName }}{{- end }}
+{{- $_ := set $cfg "model" (merge $model (default dict (get $cfg "model"))) }}
+{{- $_ := set $cfg "server" (dict "host" "0.0.0.0" "port" (int .Values.codec.port)) }}
+{{- if .Values.auth.existingSecret }}
+{{- $auth := merge (dict "keys_file" (printf "%s/%s" (include "kvrelay.keysDir" .) .Values.auth.key)) (default dict (get $cfg "auth")) }}
+{{- $_ := set $auth "keys_file" (printf "%s/%s" (include "kvrelay.keysDir" .) .Values.auth.key) }}
+{{- $_ := set $cfg "auth" $auth }}
+{{- end }}
+{{- if and (include "kvrelay.redisInUse" .) .Values.redis.quotas }}
+{{- $quotas := default dict (get $cfg "quotas") }}
+{{- $_ := set $quotas "backend" "redis" }}
+{{- $_ := set $cfg "quotas" $quotas }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* Environment every kvrelay container gets: the internal token as a file. */}}
+{{- define "kvrelay.commonEnv" -}}
+- name: KVRELAY_INTERNAL_TOKEN_FILE
+  value: {{ printf "%s/%s" (include "kvrelay.tokenDir" .) .Values.internalToken.key | quote }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- end }}
+
+{{/* The codec's Redis URLs: a literal for bundled or plain external Redis, a Secret reference else. */}}
+{{- define "kvrelay.redisEnv" -}}
+{{- if include "kvrelay.redisInUse" . }}
+{{- $names := list }}
+{{- if .Values.redis.quotas }}{{- $names = append $names "KVRELAY_QUOTAS__REDIS_URL" }}{{- end }}
+{{- if .Values.redis.responses }}{{- $names = append $names "KVRELAY_RESPONSES_REDIS_URL" }}{{- end }}
+{{- range $names }}
+- name: {{ . }}
+{{- if $.Values.redis.enabled }}
+  value: {{ include "kvrelay.bundledRedisUrl" $ | quote }}
+{{- else if $.Values.redis.external.existingSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $.Values.redis.external.existingSecret }}
+      key: {{ $.Values.redis.external.key }}
+{{- else }}
+  value: {{ $.Values.redis.external.url | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes and mounts ------------------------------------------------------------------------ */}}
+
+{{/* Pod volumes for a kvrelay server: config, token, model (shared or fetched), /tmp. */}}
+{{- define "kvrelay.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "kvrelay.componentName" (dict "root" . "component" "config") }}
+- name: internal-token
+  secret:
+    secretName: {{ include "kvrelay.tokenSecretName" . }}
+    defaultMode: 0440
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+{{- end }}
+
+{{- define "kvrelay.modelVolume" -}}
+{{- if .Values.model.fetch.enabled }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ .Values.model.fetch.sizeLimit }}
+{{- else }}
+- name: model
+{{- toYaml .Values.model.volume | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "kvrelay.mounts" -}}
+- name: config
+  mountPath: /etc/kvrelay/config
+  readOnly: true
+- name: internal-token
+  mountPath: {{ include "kvrelay.tokenDir" . }}
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{- define "kvrelay.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{/* Init containers that bring (fetch) and check (verify) the model directory.
+     Call with (dict "root" $ "image" IMAGE "scope" "model"|"tokenizer"). */}}
+{{- define "kvrelay.modelInitContainers" -}}
+{{- $root := .root }}
+{{- if $root.Values.model.fetch.enabled }}
+{{- if not $root.Values.model.fetch.command }}
+{{- fail "model.fetch.command is required when model.fetch.enabled is true" }}
+{{- end }}
+- name: fetch-model
+  image: {{ default (include "kvrelay.workerImage" $root) $root.Values.model.fetch.image }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  command:
+{{- toYaml $root.Values.model.fetch.command | nindent 4 }}
+  env:
+    - name: KVRELAY_MODEL_DIR
+      value: {{ include "kvrelay.modelDir" $root | quote }}
+    - name: KVRELAY_MODEL_VERSION
+      value: {{ $root.Values.model.version | quote }}
+    - name: KVRELAY_FETCH_SCOPE
+      value: {{ .scope }}
+{{- with $root.Values.model.fetch.env }}
+{{- toYaml . | nindent 4 }}
+{{- end }}
+  securityContext:
+{{- toYaml $root.Values.securityContext | nindent 4 }}
+{{- with $root.Values.model.fetch.resources }}
+  resources:
+{{- toYaml . | nindent 4 }}
+{{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $root.Values.model.mountPath }}
+      readOnly: false  # the only writer; every other container mounts it read-only
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- if $root.Values.model.verify.enabled }}
+- name: verify-model
+  image: {{ .image }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  command: ["kvrelay-verify-model"]
+  args:
+    - {{ include "kvrelay.modelDir" $root | quote }}
+    - --scope
+    - {{ .scope }}
+{{- if $root.Values.model.fingerprint }}
+    - --expect-fingerprint
+    - {{ $root.Values.model.fingerprint | quote }}
+{{- end }}
+  securityContext:
+{{- toYaml $root.Values.securityContext | nindent 4 }}
+  resources:
+    requests: {cpu: 100m, memory: 128Mi}
+    limits: {memory: 512Mi}
+  volumeMounts:
+{{- include "kvrelay.modelMount" $root | nindent 4 }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* A preStop hook that waits, so endpoints stop receiving traffic before SIGTERM starts the drain. */}}
+{{- define "kvrelay.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ . }}"]
+{{- end }}
