@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.router,
         args.metrics_port,
         cfg.internal_tls,
+        cfg.tracing,
     )
     asyncio.run(serve(options))
     return 0

@@ -42,7 +42,7 @@ from services.codec.limits_errors import AdmissionRefusedError, refusal_response
 from services.codec.metrics import RequestStats
 from services.codec.openai_common import admit_and_start, collect_unless_gone
 from services.codec.prompts import encode_chat, encode_text
-from services.codec.request_body import parse_schema, read_json_object
+from services.codec.request_body import read_request
 from services.codec.schemas.anthropic import CountTokensRequest, MessagesRequest, PromptFields
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.sse import EventStreamResponse, encode_event
@@ -60,7 +60,7 @@ async def create_message(request: Request) -> Response:
     state = codec_state(request)
     stats = request_stats(request)
     stats.protocol = PROTOCOL
-    body = parse_schema(MessagesRequest, await read_json_object(request))
+    body = await read_request(request, MessagesRequest)
     state.check_model(body.model)
     body.check_supported()
     try:
@@ -92,7 +92,7 @@ async def create_message(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     state = codec_state(request)
-    body = parse_schema(CountTokensRequest, await read_json_object(request))
+    body = await read_request(request, CountTokensRequest)
     state.check_model(body.model)
     body.check_supported()
     num_tokens = len(_encode_prompt(state, body))

@@ -37,6 +37,7 @@ from services.codec.limits_errors import StepTimeoutError
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.stop_strings import StopStringMatcher
 from services.codec.tokenizer import Tokenizer
+from services.common import tracing
 from services.common.sampling import SamplingParams
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI-compatible servers clamp to this
@@ -205,6 +206,8 @@ class GenerationStream:
         self._num_deltas = 0
         self._num_generated_tokens = 0  # as the backend sent them, also past a stop string
         self._is_closed = False
+        # One "detokenize" span per request, under the request's span (inactive when tracing is off).
+        self._detokenize_trace = tracing.RepeatedStage("detokenize", tracing.current_context())
 
     @property
     def tokens_used(self) -> int | None:
@@ -244,7 +247,7 @@ class GenerationStream:
             raise BackendFailedError(f"the backend sent a delta for unknown sample {delta.index}")
         if delta.finish_reason not in (None, FinishReason.STOP.value, FinishReason.LENGTH.value):
             raise BackendFailedError(f"the request ended in the serving stack ({delta.finish_reason})")
-        with self._metrics.time_stage("detokenize"):
+        with self._metrics.time_stage("detokenize", traced=False), self._detokenize_trace.run():
             events = self._samples[delta.index].apply(delta)
         self._stats.num_completion_tokens = sum(sample.num_tokens for sample in self._samples)
         self._stats.num_cached_tokens = self._num_cached_tokens
@@ -287,6 +290,7 @@ class GenerationStream:
                 if aclose is not None:
                     await aclose()
             finally:
+                self._detokenize_trace.end()
                 self._on_close()
                 if self._on_close_async is not None:
                     await self._on_close_async(self.tokens_used)

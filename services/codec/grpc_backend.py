@@ -16,7 +16,7 @@ from services.codec.backend import (
     TokenDelta,
     TokenLogprobOut,
 )
-from services.common import grpc_tls
+from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.common.proto_convert import FINISH_FROM_PROTO, sampling_to_proto
@@ -64,9 +64,9 @@ class GrpcBackend:
             tenant_salt=request.tenant_salt,
             priority=request.priority,
         )
-        call = self.worker.Generate(
-            message, metadata=self.tokens.metadata(request.request_id), timeout=request.timeout_s
-        )
+        # The request's trace goes on in the router: the current span (the request's) is its parent.
+        metadata = tracing.inject(self.tokens.metadata(request.request_id))
+        call = self.worker.Generate(message, metadata=metadata, timeout=request.timeout_s)
         started = False
         try:
             async for response in call:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from services.codec.auth import rpc_tenant
 from services.codec.errors import describe, is_expected
@@ -44,6 +45,7 @@ from services.codec.prompts import encode_chat, encode_prompt
 from services.codec.schemas.openai import SamplingFields
 from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
+from services.common import tracing
 from services.common.grpc_auth import REQUEST_ID_KEY
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
@@ -102,7 +104,8 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
 
     async def _prepare_chat(self, request: pb.ChatRequest, session_id: str | None) -> PreparedRequest:
         state = self._state
-        body = chat_request(request, state.identity.model_name)
+        with tracing.span("parse"):
+            body = chat_request(request, state.identity.model_name)
         state.check_model(body.model)
         body.check_supported()
         template = state.require_chat_template()
@@ -117,7 +120,8 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         self, request: pb.TextGenerateRequest, session_id: str | None
     ) -> PreparedRequest:
         state = self._state
-        body = completion_request(request, state.identity.model_name)
+        with tracing.span("parse"):
+            body = completion_request(request, state.identity.model_name)
         state.check_model(body.model)
         body.check_supported()
         param = "prompt" if request.prompt else "prompt_token_ids"
@@ -139,27 +143,35 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
         stats = RequestStats(request_id=request_id, protocol=PROTOCOLS[method])
         status = STATUS_OK
-        try:
-            prepared = await prepare()
-            await self._stream(context, stats, backend_request_id, prepared, response_cls)
-        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
-            status = STATUS_CLIENT_CLOSED
-            raise
-        except AdmissionRefusedError as exc:
-            status = exc.status
-            retry_after = ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
-            await context.abort(_refusal_code(exc), str(exc), trailing_metadata=retry_after)
-        except Exception as exc:
-            error = describe(exc, request_id)
-            status = error.status
-            if not is_expected(exc):
-                logger.error(
-                    "request failed: %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id}
-                )
-            await context.abort(GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL), error.message)
-        finally:
-            self._state.metrics.observe_request(stats, status)
-            log_access(stats, status, method="gRPC", route=f"/{SERVICE_NAME}/{method}")
+        route = f"/{SERVICE_NAME}/{method}"
+        # The root span of the request's trace; as on HTTP, a client's trace context is not followed.
+        attributes = {"rpc.system": "grpc", "rpc.method": route, "kvrelay.request_id": request_id}
+        with tracing.span(route.lstrip("/"), kind=SpanKind.SERVER, attributes=attributes) as span:
+            try:
+                prepared = await prepare()
+                await self._stream(context, stats, backend_request_id, prepared, response_cls)
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                status = STATUS_CLIENT_CLOSED
+                raise
+            except AdmissionRefusedError as exc:
+                status = exc.status
+                retry_after = ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
+                await context.abort(_refusal_code(exc), str(exc), trailing_metadata=retry_after)
+            except Exception as exc:
+                error = describe(exc, request_id)
+                status = error.status
+                if not is_expected(exc):
+                    logger.error(
+                        "request failed: %s",
+                        type(exc).__name__,
+                        exc_info=exc,
+                        extra={"request_id": request_id},
+                    )
+                await context.abort(GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL), error.message)
+            finally:
+                self._state.metrics.observe_request(stats, status)
+                log_access(stats, status, method="gRPC", route=route)
+                span.set_attribute("kvrelay.status", status)
 
     async def _stream(
         self,

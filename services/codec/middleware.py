@@ -7,7 +7,8 @@ leaked), and when the response is done records metrics and writes the request's 
 logger "kvrelay.access"): key ID, tenant, route, status, timings and token counts, never text. A
 stream that ended badly after its 200 is logged and counted with the status it would have had (500
 failed, 499 client gone) and its `outcome`. Auth (services/codec/auth.py) runs inside it, so a 401
-gets its line too.
+gets its line too. With tracing on, it also opens the request's root span (services/common/tracing.py),
+under which the codec's stage spans and the router's spans hang; probes and scrapes are not traced.
 
 `BodyLimitMiddleware` refuses a body over the limit: at once from Content-Length, else while the body
 streams in (the read raises BodyTooLargeError, a 413), so an oversize body is never buffered whole.
@@ -19,13 +20,16 @@ import logging
 import re
 import secrets
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.codec.errors import BodyTooLargeError, describe, error_response
 from services.codec.metrics import CodecMetrics, RequestStats
+from services.common import tracing
 
 logger = logging.getLogger("kvrelay.codec.middleware")
 access_logger = logging.getLogger("kvrelay.access")
@@ -57,16 +61,20 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception as exc:
-            logger.error("unhandled %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id})
-            if not response["started"]:
-                await error_response(describe(exc, request_id))(scope, receive, send_with_id)
-        finally:
-            status = int(response["status"])
-            self.metrics.observe_request(stats, status)
-            _log_access(scope, stats, status)
+        with _request_span(scope, request_id) as span:
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception as exc:
+                logger.error(
+                    "unhandled %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id}
+                )
+                if not response["started"]:
+                    await error_response(describe(exc, request_id))(scope, receive, send_with_id)
+            finally:
+                status = int(response["status"])
+                self.metrics.observe_request(stats, status)
+                _log_access(scope, stats, status)
+                _end_request_span(span, scope, stats, status)
 
 
 class BodyLimitMiddleware:
@@ -95,6 +103,40 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def _request_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
+    """The root span of the request's trace (a no-op when tracing is off, and for probes and scrapes).
+    The codec starts every trace: a client's `traceparent` header is not followed."""
+    path = str(scope.get("path", ""))
+    if path in QUIET_PATHS:
+        return tracing.NO_SPAN
+    method = str(scope.get("method", ""))
+    attributes = {"http.request.method": method, "url.path": path, "kvrelay.request_id": request_id}
+    return tracing.span(f"{method} {path}", kind=SpanKind.SERVER, attributes=attributes)
+
+
+def _end_request_span(span: Span, scope: Scope, stats: RequestStats, status: int) -> None:
+    if not span.is_recording():
+        return
+    route = getattr(scope.get("route"), "path", None)  # the route's template, when one matched
+    if isinstance(route, str):
+        span.update_name(f"{scope.get('method', '')} {route}")
+        span.set_attribute("http.route", route)
+    effective = stats.effective_status(status)
+    span.set_attributes(
+        {
+            "http.response.status_code": status,
+            "kvrelay.status": effective,
+            "kvrelay.tenant": stats.tenant_id or "",
+            "kvrelay.protocol": stats.protocol or "",
+            "kvrelay.prompt_tokens": stats.num_prompt_tokens,
+            "kvrelay.completion_tokens": stats.num_completion_tokens,
+            "kvrelay.cached_tokens": stats.num_cached_tokens,
+        }
+    )
+    if effective >= 500:
+        span.set_status(StatusCode.ERROR, f"status {effective}")
 
 
 def _request_ids(scope: Scope) -> tuple[str, str]:

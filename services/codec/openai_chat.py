@@ -28,7 +28,7 @@ from services.codec.openai_common import (
     usage_body,
 )
 from services.codec.prompts import encode_chat
-from services.codec.request_body import parse_schema, read_json_object
+from services.codec.request_body import read_request
 from services.codec.schemas.openai import ChatCompletionRequest
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.sse import DONE, encode_event
@@ -45,7 +45,7 @@ async def create_chat_completion(request: Request) -> Response:
     state = codec_state(request)
     stats = request_stats(request)
     stats.protocol = PROTOCOL
-    body = parse_schema(ChatCompletionRequest, await read_json_object(request))
+    body = await read_request(request, ChatCompletionRequest)
     state.check_model(body.model)
     body.check_supported()
     messages = body.template_messages()

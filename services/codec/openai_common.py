@@ -38,6 +38,7 @@ from services.codec.metrics import RequestStats, StreamOutcome
 from services.codec.sse import EventStreamResponse, encode_event
 from services.codec.state import CodecState, backend_request_id, codec_state, request_id
 from services.codec.tenancy import tenant_of
+from services.common import tracing
 
 
 class SamplingSource(Protocol):
@@ -92,7 +93,10 @@ async def start_generation(
     request's timeout."""
     sampling = generation_request.sampling
     num_tokens = len(generation_request.prompt_token_ids) + sampling.n * sampling.max_tokens
-    lease = await state.limits.enter(tenant_id, num_tokens, generation_request.timeout_s)
+    with tracing.span("admission", attributes={"kvrelay.tenant": tenant_id}) as span:
+        lease = await state.limits.enter(tenant_id, num_tokens, generation_request.timeout_s)
+        if lease.waited_s is not None:
+            span.set_attribute("kvrelay.queue_wait_ms", round(lease.waited_s * 1000, 3))
     try:
         waited_s = lease.waited_s
         if waited_s is not None:

@@ -43,7 +43,7 @@ from services.codec.limits_errors import AdmissionRefusedError, refusal_response
 from services.codec.openai_common import admit_and_start, collect_unless_gone
 from services.codec.openai_responses_events import Lifecycle, ResponseDraft
 from services.codec.prompts import encode_chat
-from services.codec.request_body import parse_schema, read_json_object
+from services.codec.request_body import read_request
 from services.codec.response_store import ResponseStore, StoredResponse, store_from_env
 from services.codec.schemas.responses import ResponsesRequest
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
@@ -90,7 +90,7 @@ async def create_response(request: Request) -> Response:
     state = codec_state(request)
     stats = request_stats(request)
     stats.protocol = PROTOCOL
-    body = parse_schema(ResponsesRequest, await read_json_object(request))
+    body = await read_request(request, ResponsesRequest)
     state.check_model(body.model)
     body.check_supported()
     store, tenant = response_store(request.app), tenant_of(request)

@@ -17,6 +17,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from services.codec.errors import MalformedBodyError, UnknownParameterError, UnsupportedMediaTypeError
+from services.common import tracing
 from services.common.errors import InvalidRequestError
 
 SchemaT = TypeVar("SchemaT", bound=BaseModel)
@@ -41,6 +42,13 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise MalformedBodyError(f"the body must be a JSON object, got {_json_type(data)}")
     return data
+
+
+async def read_request(request: Request, schema: type[SchemaT]) -> SchemaT:
+    """The body read and parsed into `schema`: `read_json_object` then `parse_schema`, traced as the
+    request's "parse" span."""
+    with tracing.span("parse"):
+        return parse_schema(schema, await read_json_object(request))
 
 
 def parse_schema(schema: type[SchemaT], data: dict[str, Any]) -> SchemaT:

@@ -5,7 +5,8 @@ The tokenizer directory is checked against its manifest (tokenizer scope) first,
 the codec reports are those of the files it actually loaded. The API keys file (auth.keys_file) is
 loaded before serving, once for HTTP and gRPC; without one the codec logs that it runs in open mode.
 On SIGTERM/SIGINT, HTTP and gRPC drain together (each for up to the grace period), then the backend
-closes.
+closes. With `tracing.otlp_endpoint` set, spans go out as service `<prefix>-codec`, and the ones still
+buffered are exported on the way out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.codec.backend import Backend
 from services.codec.grpc_public_server import PublicGrpcServer
 from services.codec.state import CodecIdentity
 from services.codec.tokenizer import Tokenizer
+from services.common import tracing
 from services.common.config import KvrelayConfig, TlsConfig, load_config
 from services.common.logs import configure_logging
 from services.common.manifest import load_verified_manifest
@@ -111,7 +113,11 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
             "tokenizer_fingerprint": identity.tokenizer_fingerprint,
         },
     )
-    await CodecServer(server_config, public_grpc).serve()
+    tracing.setup_tracing(config.tracing, "codec")
+    try:
+        await CodecServer(server_config, public_grpc).serve()
+    finally:
+        tracing.shutdown_tracing()  # export the spans still buffered
 
 
 def log_auth_mode(authenticator: Authenticator) -> None:

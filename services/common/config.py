@@ -128,6 +128,33 @@ class RouterConfig(_Section):
     transfer_bytes_per_s: float = Field(default=1e9, gt=0)  # KV transfer rate until measured
 
 
+class TracingConfig(_Section):
+    """Distributed tracing over OTLP/gRPC (docs/observability.md#tracing); off while no endpoint is set.
+
+    Only `otlp_endpoint` turns tracing on: the standard OTEL_EXPORTER_OTLP_ENDPOINT alone does not (it and
+    the other OTEL_EXPORTER_OTLP_* and OTEL_BSP_* variables still tune the exporter once tracing is on)."""
+
+    # http://collector:4317 (plaintext) or https://collector:4317 (TLS); null or "" is off.
+    otlp_endpoint: str | None = None
+    service_name_prefix: str = Field(default="kvrelay", min_length=1)  # service.name <prefix>-<role>
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)  # share of new traces kept (at the codec)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint_is_a_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        scheme, _, rest = value.partition("://")
+        if scheme not in ("http", "https") or not rest.strip("/"):
+            raise PydanticCustomError(
+                "otlp_endpoint",
+                "must be http://HOST:PORT (plaintext) or https://HOST:PORT (TLS), got {value}",
+                {"value": value},
+            )
+        return value
+
+
 class ServerConfig(_Section):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
@@ -145,6 +172,7 @@ class KvrelayConfig(_Section):
     auth: AuthConfig = AuthConfig()
     quotas: QuotasConfig = QuotasConfig()
     internal_tls: TlsConfig = TlsConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> KvrelayConfig:

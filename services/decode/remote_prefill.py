@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common import grpc_tls
+from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.common.proto_convert import sampling_from_proto
 from services.decode.outputs import output_to_proto
+from services.decode.request_trace import RequestTrace
 from services.engine.async_engine import AsyncEngine
 from services.engine.request import TokenLogprob
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
@@ -40,6 +41,7 @@ TRANSFER_FAILURES = (grpc.aio.AioRpcError, KVTransferFault, StopAsyncIteration)
 
 @dataclass
 class _Transfer:
+    trace: RequestTrace
     first: TokenLogprob | None = None
     num_cached_tokens: int = 0  # prompt tokens P served from its prefix cache (it computed the rest)
     num_bytes: int = 0
@@ -71,10 +73,14 @@ class RemotePrefill:
         self._channels: list[grpc.aio.Channel] = []
 
     async def generate(
-        self, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        time_remaining: float | None,
+        trace: RequestTrace,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The request's stream, or nothing if this replica has no room to reserve (the caller then
-        runs it locally)."""
+        runs it locally). `trace` gets the queue, kv_transfer and decode spans."""
         params = sampling_from_proto(request.sampling)
         num_skip = await self.engine.reserve_remote(
             request_id,
@@ -85,7 +91,8 @@ class RemotePrefill:
         )
         if num_skip is None:
             return
-        transfer = _Transfer()
+        trace.taken()
+        transfer = _Transfer(trace)
         finished = False
         try:
             async for response in self._pull(request, request_id, num_skip, time_remaining, transfer):
@@ -93,6 +100,7 @@ class RemotePrefill:
                 yield response
             if finished:
                 return
+            trace.decoding()
             async for output in self.engine.outputs(request_id):
                 response = output_to_proto(output)
                 if transfer.mode == pb.PREFILL_MODE_REMOTE:
@@ -135,15 +143,16 @@ class RemotePrefill:
             transport=remote.transport or "grpc",
         )
         receiver = self.receivers.get(prefill_request.transport)
+        span = transfer.trace.transfer_started(remote.address, num_skip)
         try:
             if receiver is not None:
                 receiver.prepare(prefill_request)  # e.g. the torch transport's rendezvous and tag
         except KVTransferFault as exc:
             self._fall_back(request_id, remote.address, transfer, exc)
             return
-        call = self._stub(remote.address).Prefill(
-            prefill_request, metadata=self.tokens.metadata(request_id), timeout=timeout
-        )
+        # The prefill replica's "prefill" span continues the trace under the kv_transfer span.
+        metadata = tracing.inject(self.tokens.metadata(request_id), span)
+        call = self._stub(remote.address).Prefill(prefill_request, metadata=metadata, timeout=timeout)
         try:
             responses = aiter(call)
             try:
@@ -160,11 +169,13 @@ class RemotePrefill:
             yield _first_response(header, request.sampling.HasField("logprobs"))
             if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 self.engine.release(request_id)  # the first token ended it: nothing to decode
+                transfer.trace.transfer_ended("remote", 0, header.num_cached_tokens)
                 return
             try:
                 await self._receive(header, responses, request_id, prefill_request, transfer)
                 transfer.seconds = time.monotonic() - started
                 self.counters.observe_transfer(transfer.seconds)
+                transfer.trace.transfer_ended("remote", transfer.num_bytes, transfer.num_cached_tokens)
             except TRANSFER_FAILURES as exc:
                 self._fall_back(request_id, remote.address, transfer, exc)
         finally:
@@ -214,6 +225,7 @@ class RemotePrefill:
         )
         self.counters.fallbacks_total += 1
         transfer.mode = pb.PREFILL_MODE_FALLBACK
+        transfer.trace.transfer_ended("fallback", failure=reason)
         self.engine.resume_local(request_id, transfer.first)
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.PrefillStub:

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common import tracing
 from services.common.config import KvrelayConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_tls import add_port
@@ -94,6 +95,15 @@ def _transports(timeout_s: float) -> tuple[dict[str, KVSender], dict[str, KVRece
 
 
 async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
+    # Spans go out as `<prefix>-<role>` (kvrelay-prefill, kvrelay-decode, kvrelay-colocated).
+    tracing.setup_tracing(config.tracing, options.role, instance=options.name)
+    try:
+        await _serve(config, options)
+    finally:
+        tracing.shutdown_tracing()  # export the spans still buffered
+
+
+async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     tokens = TokenSource.from_env()
     core = EngineCore.from_config(config)
     metrics = WorkerMetrics(options.role, options.name)

@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.common import tracing
 from services.common.errors import InvalidRequestError
 from services.common.grpc_auth import request_id_of
 from services.common.proto_convert import sampling_from_proto
 from services.decode.outputs import output_to_proto
 from services.decode.remote_prefill import RemotePrefill
+from services.decode.request_trace import RequestTrace
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.prefill.prefill_service import TransferCounters
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
@@ -47,9 +49,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         started = time.monotonic()
         self.requests_total += 1
         num_tokens = 0
+        trace = RequestTrace(
+            tracing.extract(context.invocation_metadata()), request_id, len(request.prompt_token_ids)
+        )
+        error: BaseException | None = None
         try:
             if self._is_remote(request):
-                async for response in self._remote(request, request_id, context):
+                async for response in self._remote(request, request_id, context, trace):
                     num_tokens += len(response.token_ids)
                     yield response
                 if num_tokens:
@@ -64,16 +70,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
+                    if not num_tokens:
+                        trace.decoding()  # the first output: the prompt is done
                     num_tokens += len(output.new_token_ids)
                     response = output_to_proto(output)
                     if output.finished:
                         response.prefill_mode = pb.PREFILL_MODE_LOCAL
                     yield response
         except InvalidRequestError as exc:
+            error = exc
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
+            error = exc
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
+            trace.close(num_tokens, error)
             log.info(
                 "generate done",
                 extra={
@@ -89,11 +100,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.remote is not None and has_address and (request.sampling.n or 1) == 1
 
     async def _remote(
-        self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+        trace: RequestTrace,
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self.remote is None:
             return
-        stream = self.remote.generate(request, request_id, context.time_remaining())
+        stream = self.remote.generate(request, request_id, context.time_remaining(), trace)
         async with contextlib.aclosing(stream):
             async for response in stream:
                 yield response

@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import SpanKind
 
+from services.common import tracing
 from services.common.errors import InvalidRequestError
 from services.common.proto_convert import FINISH_TO_PROTO, sampling_from_proto
 from services.engine.async_engine import AsyncEngine, EngineDeadError
@@ -69,8 +71,24 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         started = time.monotonic()
         num_bytes = 0
+        # This replica's span of the request's trace, under the decode side's kv_transfer span: the
+        # prompt's prefill, then the KV shipped. Never made current: this generator yields.
+        span = tracing.start_span(
+            "prefill",
+            tracing.extract(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={
+                "kvrelay.request_id": request.request_id,
+                "kvrelay.prompt_tokens": len(request.prompt_token_ids),
+                "kvrelay.skipped_tokens": request.num_skip_tokens,
+                "kvrelay.transport": request.transport or "grpc",
+            },
+        )
+        error: BaseException | None = None
         try:
             output = await self._first_output(request)
+            if span.is_recording():
+                span.add_event("first_token", {"kvrelay.cached_tokens": output.num_cached_tokens})
             yield kvpb.PrefillResponse(header=self._header(request, output))
             if output.kv is not None:
                 sender = self.senders[request.transport or "grpc"]
@@ -81,10 +99,15 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
                 self.counters.bytes_total += num_bytes
                 self.counters.remote_prefills_total += 1
         except InvalidRequestError as exc:
+            error = exc
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (EngineDeadError, KVTransferFault) as exc:
+            error = exc
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
+            if span.is_recording():
+                span.set_attribute("kvrelay.kv_bytes", num_bytes)
+            tracing.finish(span, error)
             log.info(
                 "prefill done",
                 extra={

@@ -6,18 +6,22 @@ consistent hashing with bounded load, else the configured policy); then decide w
 replica runs the prompt (services/router/disaggregation.py). The decision and its reason go to the
 request's log line and to `decisions`. A request is retried on another replica only while no token has
 gone out; the replica that failed is ejected. A client that goes away cancels the forwarded call, which
-aborts the request on the worker.
+aborts the request on the worker. With tracing on, the request's "route" span continues the codec's trace
+and is handed on to the decode replica in the forwarded call's metadata (docs/observability.md).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
+from services.common import tracing
 from services.common.config import DisaggregationConfig, RouterConfig
 from services.common.grpc_auth import request_id_of
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
@@ -152,6 +156,27 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.requests_total += 1
         request_id = request.request_id or request_id_of(context)
+        # The router's span of the request's trace (the codec's request span is its parent): the choice,
+        # then the forwarded stream until its end. Never made current: this generator yields.
+        span = tracing.start_span(
+            "route",
+            tracing.extract(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={
+                "kvrelay.request_id": request_id,
+                "kvrelay.prompt_tokens": len(request.prompt_token_ids),
+            },
+        )
+        try:
+            async with contextlib.aclosing(self._generate(request, request_id, context, span)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            span.end()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext, span: Span
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         tried: set[str] = set()
         failure: tuple[grpc.StatusCode, str] | None = None
         while failure is None:
@@ -160,10 +185,11 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                 failure = (grpc.StatusCode.UNAVAILABLE, "no ready worker")
                 break
             tried.add(route.decode.name)
+            _trace_route(span, route, len(tried))
             sent_any = False
             call = route.decode.stub.Generate(
                 self._forwarded(request, route),
-                metadata=self.replicas.tokens.metadata(request_id),
+                metadata=tracing.inject(self.replicas.tokens.metadata(request_id), span),
                 timeout=context.time_remaining(),
             )
             self._dispatched(route, +1)
@@ -191,6 +217,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                     self._first_token(route)
                 self._dispatched(route, -1)
                 call.cancel()
+        tracing.fail(span, f"{failure[0].name}: {failure[1]}")
         await context.abort(*failure)
 
     def _forwarded(self, request: pb.GenerateRequest, route: _Route) -> pb.GenerateRequest:
@@ -268,6 +295,23 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             requests_total=self.requests_total,
             ready=bool(self.replicas.usable(DECODE_ROLES)),
         )
+
+
+def _trace_route(span: Span, route: _Route, attempt: int) -> None:
+    """The route taken (the last one, when a replica failed before its first token and another took over)."""
+    if not span.is_recording():
+        return
+    if attempt > 1:
+        span.add_event("retry", {"kvrelay.replica": route.decode.name})
+    span.set_attributes(
+        {
+            "kvrelay.replica": route.decode.name,
+            "kvrelay.route_reason": route.choice.reason,
+            "kvrelay.prefill_replica": route.prefill.name if route.prefill else "",
+            "kvrelay.disaggregation": route.decision.reason,
+            "kvrelay.attempts": attempt,
+        }
+    )
 
 
 def _round(value: float | None) -> float | None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.config import DisaggregationConfig, RouterConfig, TlsConfig
+from services.common import tracing
+from services.common.config import DisaggregationConfig, RouterConfig, TlsConfig, TracingConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_tls import add_port
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
@@ -41,9 +42,18 @@ class RouterOptions:
     routing: RouterConfig | None = None
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; off when None
     tls: TlsConfig | None = None  # internal mutual TLS, to workers and from the codec
+    tracing: TracingConfig | None = None  # OTLP tracing (service `<prefix>-router`); off when None or unset
 
 
 async def serve(options: RouterOptions) -> None:
+    tracing.setup_tracing(options.tracing or TracingConfig(), "router")
+    try:
+        await _serve(options)
+    finally:
+        tracing.shutdown_tracing()  # export the spans still buffered
+
+
+async def _serve(options: RouterOptions) -> None:
     tokens = TokenSource.from_env()
     replicas = ReplicaSet(options.workers, tokens, options.model_fingerprint, tls=options.tls)
     service = RouterService(replicas, options.disaggregation, options.routing)
