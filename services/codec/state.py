@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import Request
 
@@ -25,7 +26,7 @@ from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.readiness import Readiness
 from services.codec.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
-from services.common.errors import InvalidRequestError
+from services.common.errors import ConfigError, InvalidRequestError
 
 FINGERPRINT_PREFIX_LEN = 12
 
@@ -74,7 +75,7 @@ class CodecState:
             config=config,
             backend=backend,
             tokenizer=tokenizer,
-            chat_template=_chat_template(tokenizer),
+            chat_template=_chat_template(tokenizer, config.model.chat_template),
             metrics=metrics,
             admission=Admission(backend, config.limits),
             generator=Generator(
@@ -133,8 +134,15 @@ def request_stats(request: Request) -> RequestStats:
     return stats
 
 
-def _chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
+def _chat_template(tokenizer: Tokenizer, template_file: str | None = None) -> ChatTemplate | None:
+    """The configured template file (`model.chat_template`) if any, else the model's own, else None."""
+    override = None
+    if template_file is not None:
+        try:
+            override = Path(template_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"model.chat_template {template_file!r} cannot be read: {exc}") from exc
     try:
-        return chat_template_from_tokenizer(tokenizer)
+        return chat_template_from_tokenizer(tokenizer, override)
     except InvalidRequestError:  # no template: chat requests get a 400, completions still work
         return None

@@ -35,6 +35,9 @@ class ModelConfig(_Section):
     path: str = Field(default="models/smollm2-135m-instruct", min_length=1)
     served_name: str | None = Field(default=None, min_length=1)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # A Jinja chat template file for the codec, replacing the model's own; lets a model without one
+    # (a base model such as Gemma 3 270M) serve the chat routes. Relative paths are from the working dir.
+    chat_template: str | None = Field(default=None, min_length=1)
 
 
 class EngineConfig(_Section):

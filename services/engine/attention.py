@@ -9,15 +9,26 @@ which reads the cache through `block_tables` per token. Large steps take `paged_
 group (decode rows, prefill rows) is attended in one batched SDPA call over a padded gather of its
 context, or, for a lone fresh prompt, over the new K/V directly with `is_causal`. No per-sequence Python
 loop runs per layer. `reference_attention` shares no code with either.
+
+Sliding-window layers pass `window`: each query then sees only its last `window` keys, itself included
+(key position > query position - window, as transformers' sliding-window mask). The gathers still span
+the whole context and mask the rest, so a block id the KV manager has freed below every window (stored
+as `NO_BLOCK`) is read as block 0 and never weighed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from services.engine.block_pool import NO_BLOCK
+
+if TYPE_CHECKING:
+    from services.engine.ops.cpu import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ class AttentionMetadata:
     token_rows: torch.Tensor  # [num_tokens] index of each token's row in block_tables
     block_tables: torch.Tensor  # [num_rows, max_blocks] block ids, padding -> 0
     max_context_len: int
-    _groups: dict[bool, GroupMetadata] = field(default_factory=dict, repr=False)
+    _groups: dict[tuple[bool, int | None], GroupMetadata] = field(default_factory=dict, repr=False)
+    _fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -75,13 +87,26 @@ class AttentionMetadata:
         rows = self.prefill_rows
         return not self.decode_rows and len(rows) == 1 and rows[0].start_position == 0
 
-    def group(self, is_decode: bool) -> GroupMetadata | None:
+    def group(self, is_decode: bool, window: int | None = None) -> GroupMetadata | None:
         rows = self.decode_rows if is_decode else self.prefill_rows
         if not rows:
             return None
-        if is_decode not in self._groups:
-            self._groups[is_decode] = _group(rows, self.block_size, is_decode)
-        return self._groups[is_decode]
+        key = (is_decode, window)
+        if key not in self._groups:
+            self._groups[key] = _group(rows, self.block_size, is_decode, window)
+        return self._groups[key]
+
+    def fresh_prompt_mask(self, window: int) -> torch.Tensor | None:
+        """The causal sliding-window mask of a lone fresh prompt [num_tokens, num_tokens] (True = may
+        attend), or None when the prompt fits in the window and plain causal attention is the same."""
+        num_tokens = self.num_tokens
+        if num_tokens <= window:
+            return None
+        if window not in self._fresh_masks:
+            pos = torch.arange(num_tokens)  # [num_tokens]
+            offset = pos[:, None] - pos[None, :]  # [num_tokens (query), num_tokens (key)]
+            self._fresh_masks[window] = (offset >= 0) & (offset < window)
+        return self._fresh_masks[window]
 
 
 def build_metadata(
@@ -95,8 +120,8 @@ def build_metadata(
     tables: list[list[int]] = []
     max_blocks = max(-(-r.context_len // block_size) for r in rows)
     for i, row in enumerate(rows):
-        table = list(row.block_ids[:max_blocks])
-        tables.append(table + [0] * (max_blocks - len(table)))
+        table = _table(row.block_ids, max_blocks)
+        tables.append(table)
         for p in range(row.start_position, row.context_len):
             positions.append(p)
             slot_mapping.append(table[p // block_size] * block_size + p % block_size)
@@ -113,18 +138,24 @@ def build_metadata(
     )
 
 
-def _group(rows: Sequence[RowSpec], block_size: int, is_decode: bool) -> GroupMetadata:
+def _table(block_ids: Sequence[int], num_blocks: int) -> list[int]:
+    """A row's first `num_blocks` block ids, freed ones (NO_BLOCK) read as 0, padded with 0."""
+    table = [max(b, 0) for b in block_ids[:num_blocks]]
+    return table + [0] * (num_blocks - len(table))
+
+
+def _group(rows: Sequence[RowSpec], block_size: int, is_decode: bool, window: int | None) -> GroupMetadata:
     max_ctx = max(r.context_len for r in rows)
     max_blocks = -(-max_ctx // block_size)
-    table = torch.tensor(
-        [list(r.block_ids[:max_blocks]) + [0] * (max_blocks - len(r.block_ids[:max_blocks])) for r in rows]
-    )  # [num_rows, max_blocks]
+    table = torch.tensor([_table(r.block_ids, max_blocks) for r in rows])  # [num_rows, max_blocks]
     key_pos = torch.arange(max_ctx)  # [max_ctx]
     gather = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [num_rows, max_ctx]
     ctx_lens = torch.tensor([r.context_len for r in rows])  # [num_rows]
     if is_decode:
-        same_len = bool((ctx_lens == max_ctx).all())
-        mask = None if same_len else (key_pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+        in_ctx = key_pos[None, :] < ctx_lens[:, None]  # [num_rows, max_ctx]
+        if window is not None:
+            in_ctx &= key_pos[None, :] > ctx_lens[:, None] - 1 - window
+        mask = None if bool(in_ctx.all()) else in_ctx[:, None, None, :]  # [num_rows, 1, 1, max_ctx]
         return GroupMetadata(len(rows), gather, mask, None, None)
     max_q = max(r.num_new_tokens for r in rows)
     q_lens = torch.tensor([r.num_new_tokens for r in rows])  # [num_rows]
@@ -132,6 +163,8 @@ def _group(rows: Sequence[RowSpec], block_size: int, is_decode: bool) -> GroupMe
     q_off = torch.arange(max_q)  # [max_q]
     query_pos = starts[:, None] + q_off[None, :]  # [num_rows, max_q]
     causal = key_pos[None, None, :] <= query_pos[:, :, None]  # [num_rows, max_q, max_ctx]
+    if window is not None:
+        causal &= key_pos[None, None, :] > query_pos[:, :, None] - window
     in_ctx = key_pos[None, None, :] < ctx_lens[:, None, None]  # [num_rows, 1, max_ctx]
     mask = (causal & in_ctx)[:, None]  # [num_rows, 1, max_q, max_ctx]
     valid = q_off[None, :] < q_lens[:, None]  # [num_rows, max_q]
@@ -146,8 +179,34 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
     cache.index_copy_(0, slot_mapping, kv)
 
 
-# (q of the decode rows [num_decode, num_heads, head_dim], cache, meta) -> [num_decode, num_heads, head_dim]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata"], torch.Tensor]
+# (q of the decode rows [num_decode, num_heads, head_dim], cache, meta, window) -> the same shape as q
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata", int | None], torch.Tensor]
+
+
+def kernel_decode_attention(
+    kernels: CpuKernels | None, meta: AttentionMetadata, scale: float | None = None
+) -> DecodeAttention | None:
+    """The C kernel for this step's decode rows, reading the (fp32) cache in place; None where it does
+    not run (no kernels, or no decode rows). Family-neutral: it only attends."""
+    num_decode = meta.num_decode_tokens
+    if kernels is None or not num_decode:
+        return None
+    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len + 8)  # [threads, > max pos]
+    token_rows = meta.token_rows[:num_decode]  # [num_decode]
+    positions = meta.positions[:num_decode]  # [num_decode]
+
+    def attend(
+        q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+    ) -> torch.Tensor:
+        q2 = q.reshape(num_decode, -1).float()  # [num_decode, num_heads * head_dim]
+        out = torch.empty_like(q2)  # [num_decode, num_heads * head_dim]
+        kernels.paged_attention(
+            q2, out, cache, meta.block_tables, token_rows, positions, meta.block_size,
+            meta.max_context_len, scratch, window=window, scale=scale,
+        )  # fmt: skip
+        return out.view(q.shape).to(q.dtype)  # [num_decode, num_heads, head_dim]
+
+    return attend
 
 
 def paged_attention(
@@ -157,34 +216,41 @@ def paged_attention(
     cache: torch.Tensor,
     meta: AttentionMetadata,
     decode_attention: DecodeAttention | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, kv_heads, head_dim], already
     written to the cache. Returns [num_tokens, num_heads, head_dim]. The cache may hold a wider dtype
     than q (fp32 KV under bf16 compute); the gathered groups are attended in the cache's dtype.
-    `decode_attention`, when given, takes the decode rows (the C kernel reads the cache in place)."""
+    `decode_attention`, when given, takes the decode rows (the C kernel reads the cache in place).
+    `window`: a sliding-window layer's window; `scale`: the score scale (default head_dim ** -0.5)."""
     if meta.is_fresh_prompt:  # 4-D inputs: the 3-D form falls back to SDPA's slow math kernel
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, num_tokens, hd]
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+        mask = None if window is None else meta.fresh_prompt_mask(window)
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
         return out[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_decode = meta.num_decode_tokens
-    decode = meta.group(is_decode=True)
+    decode = meta.group(is_decode=True, window=window)
     if decode is not None and decode_attention is not None:
-        out[:num_decode] = decode_attention(q[:num_decode], cache, meta)
+        out[:num_decode] = decode_attention(q[:num_decode], cache, meta, window)
     elif decode is not None:
         q_d = q[:num_decode].unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
-        out[:num_decode] = _attend(q_d, cache, decode).squeeze(2)
-    prefill = meta.group(is_decode=False)
+        out[:num_decode] = _attend(q_d, cache, decode, scale).squeeze(2)
+    prefill = meta.group(is_decode=False, window=window)
     if prefill is not None:
         if prefill.query_index is None or prefill.query_valid is None:
             raise ValueError("prefill group metadata lacks its query layout")
         q_p = q[num_decode:][prefill.query_index].transpose(1, 2)  # [num_rows, num_heads, max_q, head_dim]
-        o_p = _attend(q_p, cache, prefill).transpose(1, 2)  # [num_rows, max_q, num_heads, head_dim]
+        o_p = _attend(q_p, cache, prefill, scale).transpose(1, 2)  # [num_rows, max_q, num_heads, head_dim]
         out[num_decode:] = o_p[prefill.query_valid]  # [num_prefill_tokens, num_heads, head_dim]
     return out
 
 
-def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
+def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata, scale: float | None) -> torch.Tensor:
     num_rows, max_ctx = group.gather_slots.shape
     _, _, num_kv_heads, head_dim = cache.shape
     kv = cache.index_select(0, group.gather_slots.view(-1))  # [num_rows * max_ctx, 2, kv_heads, hd]
@@ -192,30 +258,44 @@ def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata) -> torch
     k = kv[:, :, 0].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
     v = kv[:, :, 1].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
     q_cache = q.to(cache.dtype)
-    out = F.scaled_dot_product_attention(q_cache, k, v, attn_mask=group.mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q_cache, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
     return out.to(q.dtype)
 
 
 def reference_attention(
-    q: torch.Tensor, cache: torch.Tensor, rows: Sequence[RowSpec], block_size: int
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    rows: Sequence[RowSpec],
+    block_size: int,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Slow, plain path: per row, copy its blocks into dense K/V, then float64 softmax attention.
 
     q: [num_tokens, num_heads, head_dim] in the flat order of `rows`. Shares no code with the fast paths.
+    With `window`, a query sees keys at positions > its own - window only.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     outputs = []
     offset = 0
     for row in rows:
-        blocks = [cache[b * block_size : (b + 1) * block_size] for b in row.block_ids]
+        blocks = [
+            cache[b * block_size : (b + 1) * block_size] if b != NO_BLOCK else cache[:block_size] * 0
+            for b in row.block_ids
+        ]  # a freed block's keys lie outside every window: any finite values do
         dense = torch.cat(blocks)[: row.context_len].double()  # [ctx, 2, kv_heads, head_dim]
         group_size = num_heads // dense.shape[2]
         k = dense[:, 0].repeat_interleave(group_size, dim=1)  # [ctx, num_heads, head_dim]
         v = dense[:, 1].repeat_interleave(group_size, dim=1)  # [ctx, num_heads, head_dim]
         q_row = q[offset : offset + row.num_new_tokens].double()  # [q_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q_row, k) / head_dim**0.5  # [num_heads, q_len, ctx]
-        query_pos = torch.arange(row.start_position, row.context_len)[:, None]
-        allowed = torch.arange(row.context_len)[None, :] <= query_pos  # [q_len, ctx]
+        factor = head_dim**-0.5 if scale is None else scale
+        scores = torch.einsum("qhd,khd->hqk", q_row, k) * factor  # [num_heads, q_len, ctx]
+        query_pos = torch.arange(row.start_position, row.context_len)[:, None]  # [q_len, 1]
+        key_pos = torch.arange(row.context_len)[None, :]  # [1, ctx]
+        allowed = key_pos <= query_pos  # [q_len, ctx]
+        if window is not None:
+            allowed &= key_pos > query_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         outputs.append(torch.einsum("hqk,khd->qhd", probs, v))  # [q_len, num_heads, head_dim]

@@ -16,6 +16,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# In a request's block_ids: a block freed while it runs because it fell out of every layer's sliding
+# window (kv_manager.py). Attention reads it as block 0 and masks it out.
+NO_BLOCK = -1
+
 
 @dataclass
 class Block:

@@ -85,7 +85,7 @@ class EngineCore:
         check_host_memory(loaded.weight_bytes, self.num_blocks * spec.bytes_per_block)
         self.pool = BlockPool(self.num_blocks, enable_caching=engine.enable_prefix_caching)
         self.prefix_stats = PrefixCacheStats()
-        self.kv = KVCacheManager(self.pool, engine.block_size, self.prefix_stats)
+        self.kv = KVCacheManager(self.pool, engine.block_size, self.prefix_stats, window=cfg.kv_window)
         self.scheduler = Scheduler(self.kv, engine.max_num_batched_tokens, batch_size_limit)
         caches = allocate_kv_caches(spec, self.num_blocks, torch.device("cpu"))
         self.runner = ModelRunner(loaded.model, caches, engine.block_size, cfg.vocab_size, engine.seed)

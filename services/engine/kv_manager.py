@@ -1,10 +1,18 @@
-"""Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, commit, free."""
+"""Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, commit, free.
+
+Sliding windows: when every layer of the model attends only to its last `window` keys, a block whose
+positions all lie before every future query's window is freed while the request runs, and its slot in
+`block_ids` becomes NO_BLOCK (attention reads it as block 0 and masks it out). A model with any
+global layer (Gemma 3 has one in six) reads the whole context, so nothing is ever freed early there.
+Prefix caching stays correct: freed blocks were committed first, so they stay cached, and a prefix hit
+still needs every leading block present, so a hit always carries KV for every position.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.block_pool import BlockPool
+from services.engine.block_pool import NO_BLOCK, BlockPool
 from services.engine.request import Request
 
 
@@ -25,6 +33,7 @@ class KVCacheManager:
     pool: BlockPool
     block_size: int
     prefix_stats: PrefixCacheStats
+    window: int | None = None  # ModelConfig.kv_window: set only when every layer has a sliding window
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks. The last token is always recomputed,
@@ -77,8 +86,21 @@ class KVCacheManager:
             self.pool.commit(request.block_ids[index], request.block_hashes[index], tokens)
         request.num_committed_blocks = max(request.num_committed_blocks, num_full)
 
+    def free_out_of_window(self, request: Request) -> None:
+        """Free the leading blocks no future query can see: the next query sits at position
+        num_computed_tokens and sees keys after num_computed_tokens - window. Only committed blocks go
+        (their KV stays cached), and never a prefill replica's, whose prompt KV is still to be shipped."""
+        if self.window is None or request.export_kv_from is not None:
+            return
+        num_unseen = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
+        num_unseen = min(num_unseen, request.num_committed_blocks)
+        freed = [b for b in request.block_ids[:num_unseen] if b != NO_BLOCK]
+        if freed:
+            self.pool.free(freed)
+            request.block_ids[:num_unseen] = [NO_BLOCK] * num_unseen
+
     def release(self, request: Request) -> None:
         """Return every block of the request to the pool. Committed blocks stay cached."""
-        self.pool.free(request.block_ids)
+        self.pool.free([b for b in request.block_ids if b != NO_BLOCK])
         request.block_ids = []
         request.num_committed_blocks = 0

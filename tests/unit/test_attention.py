@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.engine.attention import RowSpec, build_metadata, paged_attention, reference_attention, write_kv
+from services.engine.block_pool import NO_BLOCK
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 
@@ -134,3 +135,87 @@ def test_write_kv_stores_k_and_v_at_their_slots() -> None:
     for i, slot in enumerate([6, 0, 3]):
         assert torch.equal(cache[slot, 0], k[i]) and torch.equal(cache[slot, 1], v[i])
     assert cache[[1, 2, 4, 5, 7]].abs().sum() == 0
+
+
+# -- sliding windows ---------------------------------------------------------------------------------
+
+WINDOW_CASES = {
+    "decode-only": CASES["decode-only"],
+    "mixed-decode-prefill-prefix": CASES["mixed-decode-prefill-prefix"],
+    "lone-fresh-prompt": CASES["lone-fresh-prompt"],
+    "lone-prefix-chunk": CASES["lone-prefix-chunk"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+@pytest.mark.parametrize("window", [1, 3, 6, 64])
+def test_torch_path_with_window_and_scale_matches_reference(case: str, window: int) -> None:
+    rows, q, k, v, cache = setup_step(WINDOW_CASES[case], 6, 2)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
+    got = paged_attention(q, k, v, cache, meta, window=window, scale=0.3)
+    want = reference_attention(q, cache, rows, BLOCK_SIZE, window=window, scale=0.3)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+@pytest.mark.parametrize("window", [1, 3, 6, 9, 64])
+def test_kernel_with_window_and_scale_matches_reference(kernels: CpuKernels, case: str, window: int) -> None:
+    rows, q, _, _, cache = setup_step(WINDOW_CASES[case], 6, 2)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
+    flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
+    out = torch.empty_like(flat_q)  # [tokens, heads * hd]
+    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
+    kernels.paged_attention(
+        flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
+        meta.max_context_len, scratch, window=window, scale=0.3,
+    )  # fmt: skip
+    want = reference_attention(q, cache, rows, BLOCK_SIZE, window=window, scale=0.3)
+    torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)
+
+
+def test_a_window_wider_than_the_context_changes_no_bit(kernels: CpuKernels) -> None:
+    rows, q, k, v, cache = setup_step(CASES["mixed-decode-prefill-prefix"], 6, 2)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
+    assert torch.equal(
+        paged_attention(q, k, v, cache, meta, window=1000), paged_attention(q, k, v, cache, meta)
+    )
+    flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
+    outs = []
+    for window in (None, 1000):
+        out = torch.empty_like(flat_q)  # [tokens, heads * hd]
+        scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
+        kernels.paged_attention(
+            flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
+            meta.max_context_len, scratch, window=window,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_freed_blocks_before_the_window_are_never_read(kernels: CpuKernels) -> None:
+    """Rows whose leading blocks were freed (NO_BLOCK) attend exactly as with their blocks in place."""
+    window = 5
+    rows, q, k, v, cache = setup_step([(17, 1), (13, 1), (12, 6)], 6, 2)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    # Blocks wholly before every query's window: (start - window + 1) // BLOCK_SIZE of them.
+    freed = [
+        RowSpec([NO_BLOCK] * ((r.start_position - window + 1) // BLOCK_SIZE)
+                + list(r.block_ids[(r.start_position - window + 1) // BLOCK_SIZE :]),
+                r.start_position, r.num_new_tokens)
+        for r in rows
+    ]  # fmt: skip
+    assert all(NO_BLOCK in r.block_ids for r in freed)
+    want = reference_attention(q, cache, rows, BLOCK_SIZE, window=window)
+    meta = build_metadata(freed[: len(decode)], freed[len(decode) :], BLOCK_SIZE)
+    torch.testing.assert_close(paged_attention(q, k, v, cache, meta, window=window), want, atol=TOL, rtol=TOL)
+    flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
+    out = torch.empty_like(flat_q)  # [tokens, heads * hd]
+    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
+    kernels.paged_attention(
+        flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
+        meta.max_context_len, scratch, window=window,
+    )  # fmt: skip
+    torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)

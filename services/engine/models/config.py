@@ -10,6 +10,9 @@ from typing import Any
 
 from services.common.errors import CorruptModelError, ModelLoadError, ModelNotFoundError
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -29,7 +32,30 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer: the sliding window (None: full attention) and the RoPE base. Empty: full attention and
+    # `rope_theta` everywhere. Gemma 3 interleaves local layers (window, local base) with global ones.
+    layer_windows: tuple[int | None, ...] = ()
+    layer_rope_thetas: tuple[float, ...] = ()
     raw: dict[str, Any] | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        return self.layer_rope_thetas[layer] if self.layer_rope_thetas else self.rope_theta
+
+    @property
+    def has_sliding_windows(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer still reads: the widest window when every layer has one, else None
+        (a global layer reads the whole context, so no KV can ever be dropped)."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -59,36 +85,69 @@ class ModelConfig:
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
+            num_layers = int(raw["num_hidden_layers"])
+            layer_types = _layer_types(raw, num_layers)
+            window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
             return cls(
                 architecture=str(architectures[0]),
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=int(raw.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(raw),
+                rope_theta=_rope_theta(raw, FULL_ATTENTION),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+                layer_windows=tuple(
+                    int(window) if t == SLIDING_ATTENTION and window else None for t in layer_types
+                ),
+                layer_rope_thetas=tuple(_rope_theta(raw, t) for t in layer_types),
                 raw=raw,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
+def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
+    """Each layer's attention kind, from `layer_types` or the older ways configs said it."""
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+        if pattern and raw.get("sliding_window"):  # Gemma 3: every pattern-th layer is global
+            is_global = [(i + 1) % int(pattern) == 0 for i in range(num_layers)]
+            types = [FULL_ATTENTION if g else SLIDING_ATTENTION for g in is_global]
+        elif raw.get("use_sliding_window") and raw.get("sliding_window"):  # Qwen: from max_window_layers on
+            first = int(raw.get("max_window_layers", 0))
+            types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+        else:
+            types = [FULL_ATTENTION] * num_layers
+    if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        known = f"{FULL_ATTENTION}/{SLIDING_ATTENTION}"
+        raise ModelLoadError(f"layer_types {types!r} is not {num_layers} of {known}")
+    return [str(t) for t in types]
+
+
+def _rope_theta(raw: dict[str, Any], layer_type: str) -> float:
+    """The RoPE base of one kind of layer; `rope_parameters` may hold one entry per layer type."""
     params = raw.get("rope_parameters") or {}
+    if isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     scaling = raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported yet")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    if layer_type == SLIDING_ATTENTION and "rope_local_base_freq" in raw:  # older Gemma 3 configs
+        return float(raw["rope_local_base_freq"])
+    return float(raw.get("rope_theta", 10000.0))
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -2,6 +2,8 @@
 
 Reads top to bottom: weights, one decoder layer in torch, the two forward paths. Q/K/V and gate/up
 projections are fused into one matmul each at load time; the math is the Hugging Face reference's.
+Qwen2 and Qwen3 (models/qwen.py) reuse this file: q/k/v biases, per-head q/k norms and sliding windows
+are options here, and any option the C kernels lack (q/k norms, windows) keeps a model on the torch path.
 
 Weights are kept in the dtype the loader hands them over in; activations, the KV cache and every sum are
 in `dtype`. Two paths run the same math:
@@ -25,8 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.common.errors import CorruptModelError
-from services.engine.attention import AttentionMetadata, DecodeAttention, paged_attention, write_kv
+from services.common.errors import CorruptModelError, ModelLoadError
+from services.engine.attention import (
+    AttentionMetadata,
+    DecodeAttention,
+    kernel_decode_attention,
+    paged_attention,
+    write_kv,
+)
 from services.engine.models.config import ModelConfig
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
@@ -61,6 +69,7 @@ class LlamaLayer:
     post_norm: torch.Tensor  # [hidden]
     gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
     down_proj: torch.Tensor  # [hidden, intermediate]
+    qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]: Qwen3's q/k RMSNorm
 
     def to(self, dtype: torch.dtype) -> LlamaLayer:
         """The same layer with every tensor in `dtype` (no copy where it already is)."""
@@ -72,6 +81,7 @@ class LlamaLayer:
             post_norm=self.post_norm.to(dtype),
             gate_up_proj=self.gate_up_proj.to(dtype),
             down_proj=self.down_proj.to(dtype),
+            qk_norm=None if self.qk_norm is None else self.qk_norm.to(dtype),
         )
 
 
@@ -108,9 +118,12 @@ class LlamaModel:
         self.dtype = dtype
         self.small_step_max_tokens = small_step_max_tokens
 
+        used: set[str] = set()
+
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise CorruptModelError(f"weight {name!r} is missing from the safetensors files")
+            used.add(name)
             return weights[name].contiguous()
 
         embed = take("model.embed_tokens.weight")  # [vocab, hidden], stored dtype
@@ -119,6 +132,7 @@ class LlamaModel:
         is_tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         layers = [self._load_layer(take, i) for i in range(config.num_layers)]
         lm_head = embed if is_tied else take("lm_head.weight")  # [vocab, hidden]
+        check_all_weights_used(type(self).__name__, weights, used | {"lm_head.weight"})
         self.stored_layers, self.lm_head_stored = _pack_streamed_weights(layers, lm_head)
         self.embed_tokens = self.lm_head_stored if is_tied else embed  # [vocab, hidden]
         self.lm_head = self.lm_head_stored.to(dtype)  # [vocab, hidden]
@@ -153,10 +167,12 @@ class LlamaModel:
         )
 
     def _kernels_fit(self) -> bool:
+        """kr_llama_layers does Llama's math only: no q/k norms, no sliding windows."""
         cfg = self.config
         sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, self.q_size)
         formats = self.dtype == torch.float32 and self.stored_dtype in (torch.float32, torch.bfloat16)
-        return formats and self._attention_kernel_fits() and all(size % 8 == 0 for size in sizes)
+        plain = not cfg.has_sliding_windows and all(layer.qk_norm is None for layer in self.layers)
+        return plain and formats and self._attention_kernel_fits() and all(size % 8 == 0 for size in sizes)
 
     def _attention_kernel_fits(self) -> bool:
         cfg = self.config
@@ -225,10 +241,14 @@ class LlamaModel:
         qkv = linears.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
         heads, kv_heads, qk_size = cfg.num_heads, cfg.num_kv_heads, self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, heads + kv_heads, -1)  # [num_tokens, heads + kv_heads, hd]
+        if layer.qk_norm is not None:
+            qk = self._rms_norm(qk, layer.qk_norm)  # each head normalized over head_dim
         q, k = self.rope.rotate(qk, cos_sin).split([heads, kv_heads], dim=1)  # q and k rotated at once
         v = qkv[:, qk_size:].view(num_tokens, kv_heads, -1)  # [num_tokens, kv_heads, head_dim]
         write_kv(cache, meta.slot_mapping, k, v)
-        attn = paged_attention(q, k, v, cache, meta, decode_attention)  # [num_tokens, heads, head_dim]
+        attn = paged_attention(
+            q, k, v, cache, meta, decode_attention, window=cfg.window(i)
+        )  # [num_tokens, heads, head_dim]
         h = h + linears.o(attn.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
         x = self._rms_norm(h, layer.post_norm)  # [num_tokens, hidden]
         gate, up = linears.gate_up(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
@@ -239,31 +259,10 @@ class LlamaModel:
     ) -> torch.Tensor:
         h = F.embedding(token_ids, self.embed_tokens).to(self.dtype)  # [num_tokens, hidden]
         cos_sin = self.rope.lookup(meta.positions, self.dtype)
-        decode_attention = self._decode_attention(meta)
+        decode_attention = kernel_decode_attention(self.attention_kernels, meta)
         for i, cache in enumerate(kv_caches):
             h = self._torch_layer(i, h, cache, meta, cos_sin, decode_attention)
         return h
-
-    def _decode_attention(self, meta: AttentionMetadata) -> DecodeAttention | None:
-        """The C kernel for this step's decode rows, where it runs (fp32 KV cache on a CPU with AVX2)."""
-        kernels = self.attention_kernels
-        num_decode = meta.num_decode_tokens
-        if kernels is None or not num_decode:
-            return None
-        scratch = torch.empty(torch.get_num_threads(), meta.max_context_len + 8)  # [threads, > max pos]
-        token_rows = meta.token_rows[:num_decode]  # [num_decode]
-        positions = meta.positions[:num_decode]  # [num_decode]
-
-        def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            q2 = q.reshape(num_decode, self.q_size).float()  # [num_decode, q_size]
-            out = torch.empty_like(q2)  # [num_decode, q_size]
-            kernels.paged_attention(
-                q2, out, cache, meta.block_tables, token_rows, positions, meta.block_size,
-                meta.max_context_len, scratch,
-            )  # fmt: skip
-            return out.view(q.shape).to(q.dtype)  # [num_decode, num_heads, head_dim]
-
-        return attend
 
     # -- the kernel path ----------------------------------------------------------------------------
 
@@ -329,6 +328,14 @@ def _pack_streamed_weights(
         for i, layer in enumerate(layers)
     ]
     return out, packed[-1]
+
+
+def check_all_weights_used(family: str, weights: Mapping[str, torch.Tensor], used: set[str]) -> None:
+    """Refuse weights the family would silently ignore (an o_proj bias, an unknown norm): wrong math."""
+    unused = sorted(name for name in weights if name not in used and not name.endswith("rotary_emb.inv_freq"))
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ModelLoadError(f"{family} does not use these weights: {shown}")
 
 
 def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

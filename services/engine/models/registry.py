@@ -10,7 +10,9 @@ import torch
 from services.common.errors import ModelLoadError
 from services.engine.attention import AttentionMetadata
 from services.engine.models.config import ModelConfig
+from services.engine.models.gemma3 import Gemma3Model
 from services.engine.models.llama import LlamaModel
+from services.engine.models.qwen import Qwen2Model, Qwen3Model
 
 
 class CausalLM(Protocol):
@@ -27,8 +29,12 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
 
+# One file per family: models/llama.py, models/qwen.py (Llama with options), models/gemma3.py.
 _FAMILIES: dict[str, type] = {
     "LlamaForCausalLM": LlamaModel,
+    "Qwen2ForCausalLM": Qwen2Model,
+    "Qwen3ForCausalLM": Qwen3Model,
+    "Gemma3ForCausalLM": Gemma3Model,
 }
 
 

@@ -58,7 +58,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _P, _C],
     "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
     "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P],
-    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _F, _P, _I, _C],
+    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _P, _I, _C],
 }
 
 
@@ -189,8 +189,12 @@ class CpuKernels:
         block_size: int,
         max_context_len: int,
         scratch: torch.Tensor,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> None:
-        """Causal attention of each token over keys 0..position of its own sequence, read from the cache.
+        """Causal attention of each token over keys 0..position of its own sequence, read from the cache;
+        with a `window`, over its last `window` keys only. `scale` defaults to head_dim ** -0.5.
 
         q, out: [M, num_heads * head_dim]; cache [num_slots, 2, kv_heads, head_dim]; block_tables
         [num_rows, max_blocks]; token_rows, positions: [M]; scratch [num_threads, > max position].
@@ -208,5 +212,6 @@ class CpuKernels:
         self._lib.kr_paged_attention(
             q.data_ptr(), _rows(q), out.data_ptr(), _rows(out), q.shape[0], num_heads, num_kv_heads,
             head_dim, cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(),
-            positions.data_ptr(), block_size, head_dim**-0.5, scratch.data_ptr(), _rows(scratch), num_threads,
+            positions.data_ptr(), window or 0, block_size, head_dim**-0.5 if scale is None else scale,
+            scratch.data_ptr(), _rows(scratch), num_threads,
         )  # fmt: skip

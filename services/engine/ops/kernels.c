@@ -220,17 +220,19 @@ static inline __m256 dot8(const float *q, const float *k, int64_t stride, int he
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-/* One query head of one token attends to its sequence's keys 0..ctx-1 (causal), read through the block
- * table one block at a time. scores is scratch of at least ctx floats. */
+/* One query head of one token attends to its sequence's keys start..ctx-1 (causal; start > 0 under a
+ * sliding window), read through the block table one block at a time. scores is scratch of at least
+ * ctx - start floats; scores[i] belongs to key start + i. */
 static void attend_one(const float *q, float *out, int head_dim, const float *cache, int64_t kv_stride,
-                       int64_t v_offset, const int64_t *block_table, int64_t block_size, int64_t ctx,
-                       float scale, float *scores) {
-    for (int64_t b = 0, j = 0; j < ctx; b++) {
-        const float *k = cache + block_table[b] * block_size * kv_stride;
-        int64_t o = 0;
-        for (; o + 8 <= block_size && j + 8 <= ctx; o += 8, j += 8, k += 8 * kv_stride)
+                       int64_t v_offset, const int64_t *block_table, int64_t block_size, int64_t start,
+                       int64_t ctx, float scale, float *scores) {
+    const int64_t n = ctx - start;
+    for (int64_t b = start / block_size, j = 0; j < n; b++) {
+        int64_t o = (start + j) % block_size; /* non-zero only in the first block of a window */
+        const float *k = cache + (block_table[b] * block_size + o) * kv_stride;
+        for (; o + 8 <= block_size && j + 8 <= n; o += 8, j += 8, k += 8 * kv_stride)
             _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, k, kv_stride, head_dim), _mm256_set1_ps(scale)));
-        for (; o < block_size && j < ctx; o++, j++, k += kv_stride) {
+        for (; o < block_size && j < n; o++, j++, k += kv_stride) {
             __m256 acc = _mm256_setzero_ps();
             for (int d = 0; d < head_dim; d += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
@@ -238,25 +240,26 @@ static void attend_one(const float *q, float *out, int head_dim, const float *ca
         }
     }
     float max_score = -INFINITY;
-    for (int64_t i = 0; i < ctx; i++) max_score = scores[i] > max_score ? scores[i] : max_score;
+    for (int64_t i = 0; i < n; i++) max_score = scores[i] > max_score ? scores[i] : max_score;
     __m256 vmax = _mm256_set1_ps(max_score), vsum = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= ctx; j += 8) {
+    for (; j + 8 <= n; j += 8) {
         __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmax));
         _mm256_storeu_ps(scores + j, p);
         vsum = _mm256_add_ps(vsum, p);
     }
     float sum = hsum8(vsum);
-    for (; j < ctx; j++) {
+    for (; j < n; j++) {
         scores[j] = expf(scores[j] - max_score);
         sum += scores[j];
     }
     for (int d0 = 0; d0 < head_dim; d0 += 32) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         int num_chunks = (head_dim - d0 < 32 ? head_dim - d0 : 32) / 8;
-        for (int64_t b = 0, i = 0; i < ctx; b++) {
-            const float *v = cache + block_table[b] * block_size * kv_stride + v_offset + d0;
-            for (int64_t o = 0; o < block_size && i < ctx; o++, i++, v += kv_stride) {
+        for (int64_t b = start / block_size, i = 0; i < n; b++) {
+            int64_t o = (start + i) % block_size;
+            const float *v = cache + (block_table[b] * block_size + o) * kv_stride + v_offset + d0;
+            for (; o < block_size && i < n; o++, i++, v += kv_stride) {
                 __m256 p = _mm256_set1_ps(scores[i]);
                 for (int c = 0; c < num_chunks; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
             }
@@ -268,10 +271,11 @@ static void attend_one(const float *q, float *out, int head_dim, const float *ca
 
 /* out[t, h * head_dim:] = causal attention of token t's head h over its own sequence, for every token.
  * q [M, ldq]; token t belongs to row token_rows[t] of block_tables [rows, ld_bt] and sits at positions[t].
+ * window > 0 restricts each token to its last `window` keys (itself included); 0 attends to all.
  * scratch [num_threads, ld_scratch] with ld_scratch > every position. head_dim must be a multiple of 8. */
 void kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t M, int num_heads,
                         int num_kv_heads, int head_dim, const float *cache, const int64_t *block_tables,
-                        int64_t ld_bt, const int64_t *token_rows, const int64_t *positions,
+                        int64_t ld_bt, const int64_t *token_rows, const int64_t *positions, int64_t window,
                         int64_t block_size, float scale, float *scratch, int64_t ld_scratch,
                         int num_threads) {
     const int group = num_heads / num_kv_heads;
@@ -281,11 +285,12 @@ void kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, in
         float *scores = scratch + omp_get_thread_num() * ld_scratch;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < M * num_heads; task++) {
-            int64_t t = task / num_heads;
+            int64_t t = task / num_heads, ctx = positions[t] + 1;
+            int64_t start = window > 0 && ctx > window ? ctx - window : 0;
             int h = (int)(task % num_heads), g = h / group;
             attend_one(q + t * ldq + (int64_t)h * head_dim, out + t * ldo + (int64_t)h * head_dim, head_dim,
                        cache + (int64_t)g * head_dim, kv_stride, (int64_t)num_kv_heads * head_dim,
-                       block_tables + token_rows[t] * ld_bt, block_size, positions[t] + 1, scale, scores);
+                       block_tables + token_rows[t] * ld_bt, block_size, start, ctx, scale, scores);
         }
     }
 }
@@ -338,7 +343,7 @@ void kr_llama_layers(const kr_dims *d, const kr_layer *layers, int64_t num_layer
         kr_rope_write_kv(qkv, qkv_size, M, (int)nh, (int)nkv, (int)d->head_dim, positions, d->cos_table,
                          d->sin_table, L->cache, slots);
         kr_paged_attention(qkv, qkv_size, attn, q_size, M, (int)nh, (int)nkv, (int)d->head_dim, L->cache,
-                           block_tables, ld_bt, token_rows, positions, d->block_size, scale, scores,
+                           block_tables, ld_bt, token_rows, positions, 0, d->block_size, scale, scores,
                            ld_scores, num_threads);
         kr_linear(attn, q_size, L->o_proj, wb, h, H, M, H, q_size, 1, xbuf, num_threads);
         kr_rms_norm(h, H, L->post_norm, x, H, M, H, d->eps);
