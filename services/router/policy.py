@@ -11,16 +11,18 @@ there, plus what it would cost the streams already running there:
 and picks at random among the candidates within `slack` of the cheapest (bounded randomisation: equal
 replicas share the load instead of herding to one). `RoundRobin` and `LeastLoaded` stay for comparison.
 
-Session affinity (`AffinityRing`) maps a session key to a replica by consistent hashing with bounded load:
-walk the ring from the key's point and take the first replica whose load is within `load_factor` times
-the mean (plus one), so affinity gives way when its replica is overloaded.
+Session affinity (`AffinityRing`) places a new session by consistent hashing with bounded load (counted
+in sessions per replica) and keeps later requests of the session on that replica unless it is swamped
+at that moment, when the cost policy places the one request.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -121,30 +123,62 @@ class CostPolicy:
 
 @dataclass
 class AffinityRing:
-    """Consistent hashing with bounded load over the current replica names."""
+    """Sessions placed by consistent hashing with bounded load, then kept where they were placed.
+
+    A new session walks the ring from its key's point and takes the first replica holding fewer than
+    ceil(load_factor x active sessions / replicas) sessions (Mirrokni et al.'s bound, counted in sessions,
+    so no replica ends up with more than load_factor times its share even with few sessions). Later
+    requests of the session go to that replica while it is a candidate and not overloaded right now
+    (in flight + waiting above load_factor x the mean, plus one): then this request alone is left to the
+    cost policy (None), and the session keeps its home. Sessions idle for `idle_s` are forgotten.
+    `now` is injected so the policy stays free of clocks.
+    """
 
     virtual_nodes: int = 64
     load_factor: float = 1.25
+    idle_s: float = 600.0
     _points: list[tuple[int, str]] = field(default_factory=list)
     _names: tuple[str, ...] = ()
+    _homes: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)  # LRU first
 
-    def choose(self, session_key: str, candidates: Sequence[Candidate]) -> Choice | None:
+    def choose(self, session_key: str, candidates: Sequence[Candidate], now: float = 0.0) -> Choice | None:
         if not session_key or not candidates:
             return None
-        self._rebuild(tuple(sorted(c.name for c in candidates)))
+        self._forget_idle(now)
         by_name = {c.name: c for c in candidates}
-        bound = self.load_factor * sum(c.load for c in candidates) / len(candidates) + 1
+        home = self._homes.get(session_key)
+        if home is None or home[0] not in by_name:
+            name = self._place(session_key, tuple(sorted(by_name)))
+            reason = "session_placed"
+        else:
+            name, reason = home[0], "session_affinity"
+        self._homes[session_key] = (name, now)
+        self._homes.move_to_end(session_key)
+        busy_bound = self.load_factor * sum(c.load for c in candidates) / len(candidates) + 1
+        if by_name[name].load > busy_bound:
+            return None  # its home is swamped right now: the cost policy places this request
+        return Choice(name, reason)
+
+    def _place(self, session_key: str, names: tuple[str, ...]) -> str:
+        self._rebuild(names)
+        held = {name: 0 for name in names}
+        for home, _ in self._homes.values():
+            if home in held:
+                held[home] += 1
+        capacity = math.ceil(self.load_factor * (sum(held.values()) + 1) / len(names))
         start = bisect.bisect(self._points, (_point(session_key), ""))
-        seen: set[str] = set()
         for i in range(len(self._points)):
             name = self._points[(start + i) % len(self._points)][1]
-            if name in seen:
-                continue
-            seen.add(name)
-            if by_name[name].load <= bound:
-                reason = "session_affinity" if len(seen) == 1 else "session_affinity_overflow"
-                return Choice(name, reason)
-        return None
+            if held[name] < capacity:
+                return name
+        return min(names, key=lambda n: held[n])
+
+    def _forget_idle(self, now: float) -> None:
+        while self._homes:
+            key, (_, seen) = next(iter(self._homes.items()))
+            if now - seen <= self.idle_s:
+                return
+            del self._homes[key]
 
     def _rebuild(self, names: tuple[str, ...]) -> None:
         if names == self._names:

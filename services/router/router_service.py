@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
@@ -112,7 +113,11 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         hashes, block_size = self.replicas.prompt_block_hashes(prompt, bytes(request.tenant_salt))
         decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size)
         plain = [c for _, c in decodes.values()]
-        affinity = self.affinity.choose(request.session_key, plain) if self.config.policy == "cost" else None
+        affinity = (
+            self.affinity.choose(request.session_key, plain, time.monotonic())
+            if self.config.policy == "cost"
+            else None
+        )
         choice = affinity or self.policy.choose(plain, len(prompt))
         if choice is None:
             return None
