@@ -48,7 +48,7 @@ from services.common.config import RouterConfig
 
 POLICIES: tuple[str, ...] = get_args(RouterConfig.model_fields["policy"].annotation)
 COUNTERS_SETTLE_S = 5.0
-AFFINITY_REASONS = frozenset({"session_affinity", "session_affinity_overflow"})
+AFFINITY_REASONS = frozenset({"session_affinity", "session_placed"})
 POLICY_REASONS = {
     "cost": frozenset({"lowest_cost", "prefix_overlap"}),
     "least_loaded": frozenset({"least_loaded"}),
