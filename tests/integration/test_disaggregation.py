@@ -203,7 +203,10 @@ def test_killing_prefill_under_load_fails_no_request(
     results: dict[int, tuple[list[int], pb.GenerateResponse] | BaseException] = {}
 
     def run(i: int) -> None:
-        prompt = [*prompts["raw-long"][:-1], 200 + i]
+        # A token of its own right after BOS: no prefix cache anywhere holds any block of it, so P is
+        # still prefilling when it is killed.
+        long_prompt = prompts["raw-long"]
+        prompt = [long_prompt[0], 200 + i, *long_prompt[1:]]
         try:
             results[i] = generate(router, f"kill-{i}", prompt, max_tokens=48)
         except BaseException as exc:  # reported below
