@@ -259,4 +259,5 @@ async def test_request_id_and_deadline(api: Api) -> None:
     [_ async for _ in call]
     assert ("x-request-id", "client-7") in list(await call.initial_metadata())
     seen = api.fake.seen[0]
-    assert seen.request_id.startswith("client-7-") and seen.timeout_s is not None and seen.timeout_s <= 3.0
+    assert seen.request_id.startswith("client-7-")
+    assert seen.timeout_s is not None and seen.timeout_s <= 3.1  # grpc-timeout rounds the deadline up
