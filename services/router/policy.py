@@ -121,6 +121,9 @@ class CostPolicy:
         return Choice(pick.name, reason, cost)
 
 
+SWAMP_SLACK = 4
+
+
 @dataclass
 class AffinityRing:
     """Sessions placed by consistent hashing with bounded load, then kept where they were placed.
@@ -128,14 +131,15 @@ class AffinityRing:
     A new session walks the ring from its key's point and takes the first replica holding fewer than
     ceil(load_factor x active sessions / replicas) sessions (Mirrokni et al.'s bound, counted in sessions,
     so no replica ends up with more than load_factor times its share even with few sessions). Later
-    requests of the session go to that replica while it is a candidate and not overloaded right now
-    (in flight + waiting above load_factor x the mean, plus one): then this request alone is left to the
-    cost policy (None), and the session keeps its home. Sessions idle for `idle_s` are forgotten.
-    `now` is injected so the policy stays free of clocks.
+    requests of the session go to that replica while it is a candidate and not swamped right now
+    (this router's requests in flight there above overload_factor x (the least busy candidate's + 4)):
+    then this request alone is left to the cost policy (None), and the session keeps its home.
+    Sessions idle for `idle_s` are forgotten. `now` is injected so the policy stays free of clocks.
     """
 
     virtual_nodes: int = 64
     load_factor: float = 1.25
+    overload_factor: float = 4.0
     idle_s: float = 600.0
     _points: list[tuple[int, str]] = field(default_factory=list)
     _names: tuple[str, ...] = ()
@@ -154,8 +158,10 @@ class AffinityRing:
             name, reason = home[0], "session_affinity"
         self._homes[session_key] = (name, now)
         self._homes.move_to_end(session_key)
-        busy_bound = self.load_factor * sum(c.load for c in candidates) / len(candidates) + 1
-        if by_name[name].load > busy_bound:
+        # Swamped: more than overload_factor x (the least busy candidate's requests in flight + SWAMP_SLACK),
+        # from this router's own counts (never stale, and not counted twice as reported queues would be).
+        busy_bound = self.overload_factor * (min(c.in_flight for c in candidates) + SWAMP_SLACK)
+        if by_name[name].in_flight > busy_bound:
             return None  # its home is swamped right now: the cost policy places this request
         return Choice(name, reason)
 

@@ -20,7 +20,12 @@ NUM_TURNS = 4
 
 @pytest.fixture(scope="module")
 def two_workers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> UpStack:
-    stack = start_up(model_dir, tmp_path_factory.mktemp("routing"), "--workers", "2", free_ports=True)
+    # Room for every session's conversation on either worker (KV is fp32 under bf16 compute: 720 KiB a
+    # block), so a miss here means routing sent a turn to the wrong worker, not that its blocks were evicted.
+    config = "engine:\n  kv_cache_memory_mb: 512\n  max_model_len: 2048\n"
+    stack = start_up(
+        model_dir, tmp_path_factory.mktemp("routing"), "--workers", "2", free_ports=True, config_text=config
+    )
     yield stack  # type: ignore[misc]
     stack.stop()
 

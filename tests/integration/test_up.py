@@ -120,12 +120,14 @@ def is_ready(url: str) -> bool:
 ANNOUNCED = re.compile(r"kvrelay ready on (http://\S+)")
 
 
-def start_up(model_dir: Path, workdir: Path, *extra: str, free_ports: bool = False) -> UpStack:
+def start_up(
+    model_dir: Path, workdir: Path, *extra: str, free_ports: bool = False, config_text: str = CONFIG
+) -> UpStack:
     """`kvrelay up` with `extra` flags, waited on until it announces its URL. The base port is a free run
     of ports, or 0 (`free_ports`: every service takes any free port, the URL comes from the announcement)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "config.yaml"
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     base = 0 if free_ports else free_base_port(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")} | {"PYTHONUNBUFFERED": "1"}
     argv = ["up", "--port", str(base), "--model", str(model_dir), "--config", str(config), *extra]
