@@ -43,7 +43,7 @@ class ModelConfig(_Section):
 class EngineConfig(_Section):
     block_size: int = Field(default=16, ge=1, le=256)
     kv_cache_memory_mb: int = Field(default=512, gt=0)
-    max_num_batched_tokens: int = Field(default=512, gt=0)
+    max_num_batched_tokens: int = Field(default=256, gt=0)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)

@@ -105,10 +105,9 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
 
 async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     tokens = TokenSource.from_env()
-    core = EngineCore.from_config(config)
     metrics = WorkerMetrics(options.role, options.name)
-    engine = AsyncEngine(core, metrics)
-    engine.start()
+    engine = AsyncEngine.launch(lambda: EngineCore.from_config(config), metrics)
+    core = engine.core
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
     metrics.watch(engine, counters)

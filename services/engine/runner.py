@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,10 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
+        # Called on the engine thread right before each forward, once the step's inputs are built: the
+        # async engine hands out the previous step's outputs there, so the service threads do their
+        # Python work while the forward runs without the GIL instead of stalling the step's set-up.
+        self.before_forward: Callable[[], None] | None = None
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         decode = [c for c in step.chunks if c.num_new_tokens == 1]
@@ -46,11 +51,15 @@ class ModelRunner:
             if chunk.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_chunks.append(chunk)
+        token_tensor = torch.tensor(token_ids, dtype=torch.long)  # [num_tokens]
+        indices = torch.tensor(logits_indices, dtype=torch.long)  # [num_samples]
+        if self.before_forward is not None:
+            self.before_forward()
         logits = self.model.forward(
-            torch.tensor(token_ids, dtype=torch.long),  # [num_tokens]
+            token_tensor,
             self.kv_caches,
             meta,
-            torch.tensor(logits_indices, dtype=torch.long),  # [num_samples]
+            indices,
         )  # [num_samples, vocab]
         if not sampling_chunks:
             return StepResult({})
