@@ -13,6 +13,21 @@ from services.common.sampling import SamplingParams
 def measure_kvrelay(
     args: argparse.Namespace, prompts: list[list[int]], prefill_prompts: list[list[int]], batches: list[int]
 ) -> dict[str, Any]:
+    engine = build_engine(args, max(max(batches), 1))
+    prefill_times = []
+    for i, prompt in enumerate(prefill_prompts):
+        t0 = time.perf_counter()
+        run_batch(engine, [prompt], 1, f"prefill{i}")
+        prefill_times.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"prefill_tok_s": args.prefill_tokens / median(prefill_times[1:])}
+    out["decode"] = {}
+    for b in batches:
+        out["decode"][str(b)] = run_batch(engine, prompts[:b], args.new_tokens, f"b{b}")
+    return out
+
+
+def build_engine(args: argparse.Namespace, batch_size_limit: int) -> Any:
+    """An engine core for `args.model` at `args.dtype`, warmed up."""
     from services.common.config import load_config
     from services.engine.core import EngineCore
 
@@ -20,24 +35,15 @@ def measure_kvrelay(
     cfg = cfg.model_copy(
         update={
             "model": cfg.model.model_copy(update={"path": str(args.model), "dtype": args.dtype}),
-            "limits": cfg.limits.model_copy(update={"batch_size_limit": max(max(batches), 1)}),
+            "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }
     )
     engine = EngineCore.from_config(cfg)
-    _run_batch(engine, prompts[:2], 4, "warm")
-    prefill_times = []
-    for i, prompt in enumerate(prefill_prompts):
-        t0 = time.perf_counter()
-        _run_batch(engine, [prompt], 1, f"prefill{i}")
-        prefill_times.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"prefill_tok_s": args.prefill_tokens / median(prefill_times[1:])}
-    out["decode"] = {}
-    for b in batches:
-        out["decode"][str(b)] = _run_batch(engine, prompts[:b], args.new_tokens, f"b{b}")
-    return out
+    run_batch(engine, [list(range(100, 116))] * 2, 4, "warm")
+    return engine
 
 
-def _run_batch(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
+def run_batch(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.pool.reset_cache()
     t0 = time.perf_counter()

@@ -5,7 +5,9 @@ transformers' bf16 batch `generate`, in one run.
    tok/s counts the tokens that arrive after every stream has its first token, over that window.
 2. Our engine in this process at concurrency C (as `kvrelay bench engine` measures it).
 3. transformers' bf16 `generate` at batch C (the same baseline as `kvrelay bench engine`).
-The three run one after another, so none competes with another for the CPU. The client shares the
+The sides run one after another, so none competes with another for the CPU; the stack and the engine
+alternate for `--rounds` rounds and the medians are compared, because a shared VM's speed drifts by 10-20%
+within minutes and one pass of each would compare two different machines. The client shares the
 machine with the stack, so it is kept light: aiohttp and a byte-level look at each event (httpx's line
 iterator cost about a third of the codec's CPU per token).
 """
@@ -30,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="stack/engine pairs; medians are reported")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(handler=run)
@@ -39,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
         raise SystemExit("kvrelay bench stack only targets loopback URLs")
     result: dict[str, Any] = {"concurrency": args.concurrency, "new_tokens": args.new_tokens}
-    result["stack"] = asyncio.run(_measure_stack(args.url, args.concurrency, args.new_tokens))
     result.update(_measure_in_process(args))
     _print(result)
     if args.json:
@@ -106,7 +108,7 @@ def _measure_in_process(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from services.cli.bench_engine import _chat_prompts
-    from services.cli.bench_engine_sides import measure_baseline, measure_kvrelay
+    from services.cli.bench_engine_sides import build_engine, measure_baseline, run_batch
 
     torch.set_num_threads(args.threads)
     side_args = argparse.Namespace(
@@ -118,17 +120,35 @@ def _measure_in_process(args: argparse.Namespace) -> dict[str, Any]:
     )
     prompts = _chat_prompts(Path(args.model), args.concurrency)
     prefill = [list(range(100, 116))] * 2
-    out: dict[str, Any] = {"engine": measure_kvrelay(side_args, prompts, prefill, [args.concurrency])}
+    engine = build_engine(side_args, args.concurrency)
+    stack_rounds: list[dict[str, float]] = []
+    engine_rounds: list[dict[str, float]] = []
+    for i in range(max(1, args.rounds)):
+        stack_rounds.append(asyncio.run(_measure_stack(args.url, args.concurrency, args.new_tokens)))
+        engine_rounds.append(run_batch(engine, prompts, args.new_tokens, f"round{i}"))
+    del engine
+    c = str(args.concurrency)
+    out: dict[str, Any] = {
+        "stack": {**_median_round(stack_rounds, "decode_tok_s"), "rounds": stack_rounds},
+        "engine": {"decode": {c: _median_round(engine_rounds, "tok_s")}, "rounds": engine_rounds},
+    }
     if not args.no_baseline:
         out["transformers"] = measure_baseline(side_args, prompts, prefill, [args.concurrency])
     return out
+
+
+def _median_round(rounds: list[dict[str, float]], key: str) -> dict[str, float]:
+    """The round whose `key` is the median (the lower middle one for an even count)."""
+    ordered = sorted(rounds, key=lambda r: r[key])
+    return dict(ordered[(len(ordered) - 1) // 2])
 
 
 def _print(result: dict[str, Any]) -> None:
     c = str(result["concurrency"])
     stack = result["stack"]["decode_tok_s"]
     engine = result["engine"]["decode"][c]["tok_s"]
-    print(f"concurrency {c}, {result['new_tokens']} tokens per stream")
+    rounds = len(result["stack"]["rounds"])
+    print(f"concurrency {c}, {result['new_tokens']} tokens per stream, medians of {rounds} rounds")
     print(f"stack decode tok/s        {stack:8.1f}   (e2e {result['stack']['e2e_tok_s']:.1f})")
     print(f"engine decode tok/s       {engine:8.1f}   stack/engine {stack / engine:.2f}")
     if "transformers" in result:
