@@ -76,6 +76,15 @@ async def warm_up(engine: AsyncEngine) -> None:
         pass
 
 
+def _keep_torch_single_threaded_here() -> None:
+    """This thread's torch work (KV chunks in and out) runs no OpenMP region, so the worker keeps the one
+    libgomp pool of its engine thread (AsyncEngine.launch explains why a second pool slows every step).
+    torch's thread count is per thread under OpenMP: the engine thread keeps its own."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def kv_layout(core: EngineCore) -> Layout:
     cfg = core.model_config
     dtype = core.runner.kv_caches[0].dtype
@@ -108,6 +117,7 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     metrics = WorkerMetrics(options.role, options.name)
     engine = AsyncEngine.launch(lambda: EngineCore.from_config(config), metrics)
     core = engine.core
+    _keep_torch_single_threaded_here()
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
     metrics.watch(engine, counters)

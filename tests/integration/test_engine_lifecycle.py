@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,33 @@ async def test_async_stream_yields_tokens_and_closing_early_aborts(engine: Engin
             await anext(client.generate("c", [], GREEDY))
     finally:
         client.shutdown()
+
+
+async def test_launch_builds_and_steps_the_core_on_one_thread_and_matches_the_core(tiny_dir: Path) -> None:
+    """One thread does all the engine's torch work (one libgomp pool: see AsyncEngine.launch)."""
+    expected = make_engine(tiny_dir, "float32", kv_cache_memory_mb=4, max_num_batched_tokens=32, block_size=8)
+    expected.add_request("a", [4, 5, 6], GREEDY)
+    want = run_to_completion(expected)["a"]
+    threads: list[threading.Thread] = []
+
+    def build() -> EngineCore:
+        threads.append(threading.current_thread())
+        return make_engine(tiny_dir, "float32", kv_cache_memory_mb=4, max_num_batched_tokens=32, block_size=8)
+
+    client = AsyncEngine.launch(build)
+    client.start()  # already running: a no-op, not a second loop
+    try:
+        assert threads == [client._thread] and threads[0] is not threading.current_thread()
+        got = [t async for o in client.generate("a", [4, 5, 6], GREEDY) for t in o.new_token_ids]
+        assert got == want
+        assert client.is_alive
+    finally:
+        client.shutdown()
+
+
+def test_launch_passes_a_build_error_to_the_caller() -> None:
+    def build() -> EngineCore:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.launch(build)

@@ -71,8 +71,11 @@ def test_seed_gives_the_same_tokens_in_a_full_batch(
 def test_seed_gives_the_same_tokens_after_a_preemption(
     model_dir: Path, prompt: list[int], alone: list[int]
 ) -> None:
-    # 34 blocks of 16 tokens: enough for one 512-token sequence, not for all of these at once.
-    engine = make_engine(model_dir, "float32", max_model_len=512, kv_cache_memory_mb=24)
+    # 34 blocks of 16 tokens: enough for one 512-token sequence, not for all of these at once; a 512-token
+    # step budget admits them together, so the KV runs out while they decode.
+    engine = make_engine(
+        model_dir, "float32", max_model_len=512, kv_cache_memory_mb=24, max_num_batched_tokens=512
+    )
     long_prompt = chat(model_dir, "Tell me a long story about a lighthouse keeper. " * 12)
     for i in range(3):
         engine.add_request(
