@@ -107,10 +107,12 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             )
         return out
 
-    def route(self, request: pb.GenerateRequest, exclude: set[str]) -> _Route | None:
-        """The decode replica (and prefill replica, if any) for this request, skipping `exclude`."""
+    def route(
+        self, request: pb.GenerateRequest, exclude: set[str], hashes: list[bytes], block_size: int
+    ) -> _Route | None:
+        """The decode replica (and prefill replica, if any) for this request, skipping `exclude`.
+        `hashes` are the prompt's block hashes (prompt_block_hashes), computed once per request."""
         prompt = request.prompt_token_ids
-        hashes, block_size = self.replicas.prompt_block_hashes(prompt, bytes(request.tenant_salt))
         decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size)
         plain = [c for _, c in decodes.values()]
         affinity = (
@@ -184,8 +186,10 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         tried: set[str] = set()
         failure: tuple[grpc.StatusCode, str] | None = None
+        salt = bytes(request.tenant_salt)
+        hashes, block_size = self.replicas.prompt_block_hashes(request.prompt_token_ids, salt)
         while failure is None:
-            route = self.route(request, tried)
+            route = self.route(request, tried, hashes, block_size)
             if route is None:
                 failure = (grpc.StatusCode.UNAVAILABLE, "no ready worker")
                 break
