@@ -5,7 +5,8 @@
     ├── ModelLoadError               a model directory that cannot be served
     │   ├── ModelNotFoundError       the directory or a required file is missing
     │   ├── CorruptModelError        a file that does not parse (GGUF, safetensors, JSON)
-    │   └── ManifestMismatchError    a file whose sha256 differs from the manifest
+    │   ├── ManifestMismatchError    a file whose sha256 differs from the manifest
+    │   └── KernelBuildError         the C kernels do not build or load on a CPU that can run them
     ├── CapacityError                weights plus the minimum KV cache do not fit the budget
     ├── InvalidRequestError          the caller's input is wrong (a 400 at the edge)
     │   ├── EmptyPromptError
@@ -54,6 +55,15 @@ class ManifestMismatchError(ModelLoadError):
             f"expected sha256 {expected[:16]}…, found {actual[:16]}…; refusing to start"
         )
         self.file_name = file_name
+
+
+class KernelBuildError(ModelLoadError):
+    """kernels.c does not build or load (no compiler, no source, a compile error): a broken install.
+
+    Raised at model load, never for a CPU without AVX2/FMA (that one takes the torch path). The message
+    carries the compiler's command and output. A ModelLoadError, so the CLI exits with CONFIG_EXIT_CODE
+    and supervisors do not restart a build that will fail the same way.
+    """
 
 
 class CapacityError(KvrelayError):

@@ -15,14 +15,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
 from services.cli.main import build_parser
 from services.common.config import load_config
 from tests.deploy.chart import REPO_ROOT
-
-jsonschema = pytest.importorskip("jsonschema")
 
 COMPOSE_DIR = REPO_ROOT / "deploy" / "compose"
 BASE = COMPOSE_DIR / "compose.yaml"

@@ -50,9 +50,6 @@ from tests.deploy.chart import NAMESPACE, deployment, find, fullname, one
 from tests.k8s_stand_in import K8sStandIn
 from tests.stack_helpers import REPO_ROOT, free_port
 
-pytest.importorskip("helm_python")
-pytest.importorskip("kubernetes")
-
 pytestmark = pytest.mark.model
 
 START_TIMEOUT_S = 75.0

@@ -82,7 +82,8 @@ def template(tokenizer: Tokenizer) -> ChatTemplate:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(model_dir: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # heavy: imported only by the tests that compare against it
+
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 

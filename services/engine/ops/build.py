@@ -4,6 +4,13 @@ The library is built with the system C compiler into `~/.cache/kvrelay/ops` (or 
 named by a hash of the source, flags and compiler, and written through a temporary file and a rename, so
 concurrent processes never see half a library. OpenMP resolves to the libgomp that torch has already
 loaded, so the kernels share torch's thread pool instead of starting a second one.
+
+Two outcomes are kept apart. A CPU without AVX2/FMA cannot run the kernels: that is a hardware fact, and
+`load_cpu_kernels` returns None so the model takes its torch path. Anything else that stops the kernels
+(no C compiler, no kernels.c beside this file, a compile error, a library that does not load) is a broken
+install: it raises `KernelBuildError` with the compiler's output, and model load fails with it. There is
+no silent fallback, because a shipped kernels.c that does not compile would otherwise run every step on
+the slow path without anyone noticing.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before ours is opened)
 
+from services.common.errors import KernelBuildError
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
 
@@ -26,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+COMPILERS = ("cc", "gcc")
 
 
 def default_cache_dir() -> Path:
@@ -33,46 +42,56 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvrelay" / "ops"
 
 
-def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
-    """The compiled CPU kernels, or None (with a warning) where this machine cannot build or run them."""
-    if not can_run_cpu_kernels(cpu_flags()):
-        log.info("cpu kernels off: the CPU lacks AVX2/FMA")
+def load_cpu_kernels(
+    cache_dir: Path | None = None, *, source: Path = SOURCE, flags: frozenset[str] | None = None
+) -> CpuKernels | None:
+    """The compiled CPU kernels, or None where the CPU (`flags`, default /proc/cpuinfo) lacks AVX2/FMA.
+
+    Raises KernelBuildError where the CPU could run them but they cannot be built or loaded.
+    """
+    if not can_run_cpu_kernels(cpu_flags() if flags is None else flags):
+        log.info("cpu kernels off: the CPU lacks AVX2/FMA; using the torch path")
         return None
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not SOURCE.is_file():
-        log.warning("cpu kernels off: no C compiler or no kernel source; using the torch path")
-        return None
+    compiler = next((path for name in COMPILERS if (path := shutil.which(name))), None)
+    if compiler is None:
+        raise KernelBuildError(f"no C compiler ({' or '.join(COMPILERS)}) on PATH to build {source}")
+    if not source.is_file():
+        raise KernelBuildError(f"the kernel source {source} is missing: kvrelay is installed without it")
+    library = _build(compiler, cache_dir or default_cache_dir(), source)
     try:
-        library = _build(compiler, cache_dir or default_cache_dir())
         return CpuKernels(ctypes.CDLL(str(library)))
-    except subprocess.CalledProcessError as exc:
-        log.warning("cpu kernels off: compile failed: %s; using the torch path", exc.stderr[-2000:])
-        return None
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("cpu kernels off: build failed (%s); using the torch path", exc)
-        return None
+    except (OSError, AttributeError) as exc:
+        raise KernelBuildError(f"the built kernels {library} do not load: {exc}") from exc
 
 
-def _build(compiler: str, cache_dir: Path) -> Path:
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
+def _build(compiler: str, cache_dir: Path, source: Path = SOURCE) -> Path:
+    """The cached library built from `source`; worker.Dockerfile calls this at image build time."""
+    code = source.read_bytes()
+    digest = hashlib.sha256(code + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
     target = cache_dir / f"kernels-{digest}.so"
     if target.is_file():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=cache_dir)
-    os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=cache_dir)
+        os.close(fd)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the kernel cache {cache_dir}: {exc}") from exc
+    try:
+        _compile([compiler, *CFLAGS, str(source), "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built cpu kernels", extra={"path": str(target)})
     return target
+
+
+def _compile(command: list[str]) -> None:
+    shown = " ".join(command)
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+    except subprocess.CalledProcessError as exc:
+        raise KernelBuildError(f"{shown} failed (exit {exc.returncode}):\n{exc.stderr[-4000:]}") from exc
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"{shown} failed: {exc}") from exc
