@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from services.common.config import load_config
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
+from services.engine.request import TokenLogprob
 
 
 def make_engine(
@@ -43,3 +46,67 @@ def generate(
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params)
     return run_to_completion(engine)
+
+
+# -- comparing greedy output against an fp32 reference, by logprobs ------------------------------------
+
+
+def run_with_logprobs(engine: EngineCore) -> dict[str, list[TokenLogprob]]:
+    """Step until idle; each request's chosen tokens with their logprobs (requests must ask for them)."""
+    outputs: dict[str, list[TokenLogprob]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.logprobs is not None, f"{out.request_id} was not asked for logprobs"
+            outputs.setdefault(out.request_id, []).extend(out.logprobs)
+        engine.check_invariants()
+    return outputs
+
+
+def teacher_forced_logprobs(hf_model: Any, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
+    """A transformers causal LM's log-softmax at each generated position, given the prompt and the tokens
+    generated before it: one forward over prompt + generated. Row i is the distribution that chose
+    `generated[i]`. Returns [len(generated), vocab] in float32."""
+    ids = torch.tensor([[*prompt, *generated]])  # [1, prompt + generated]
+    with torch.inference_mode():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 : -1]  # [len(generated), vocab]
+    return logits.float().log_softmax(dim=-1)
+
+
+def assert_follows_reference(
+    name: str,
+    got: Sequence[TokenLogprob],
+    reference: torch.Tensor,
+    *,
+    near_tie: float,
+    logprob_atol: float,
+    min_prefix: int = 0,
+    banned_token_ids: Collection[int] = (),
+) -> int:
+    """Greedy tokens with their top-k logprobs against a reference's log-softmax along the same tokens
+    (`teacher_forced_logprobs`); returns how many positions picked another token than the reference.
+
+    vLLM's `check_logprobs_close`, made stronger by teacher forcing: the reference is read along the
+    engine's own tokens, so every position is compared, not only those before the first divergence.
+    At each position the engine's token is the reference's argmax (over tokens not in
+    `banned_token_ids`, e.g. EOS under `min_tokens`), or a near-tie there: the reference ranks it at most
+    `near_tie` nats below its argmax, and the argmax is in the engine's top k. The first `min_prefix`
+    tokens must be the reference's. Every logprob the engine returned (its token and its top k) is
+    within `logprob_atol` nats of the reference's for the same token.
+    """
+    allowed = reference.clone()  # [num_tokens, vocab]
+    allowed[:, list(banned_token_ids)] = float("-inf")
+    num_flips = 0
+    for i, chosen in enumerate(got):
+        where = f"{name}: token {i}"
+        want = int(allowed[i].argmax())
+        if chosen.token_id != want:
+            num_flips += 1
+            gap = float(reference[i, want] - reference[i, chosen.token_id])
+            assert i >= min_prefix, f"{where} is {chosen.token_id}, the reference's is {want}"
+            assert gap <= near_tie, f"{where}: the reference ranks {chosen.token_id} {gap:.3f} below {want}"
+            top_ids = [token_id for token_id, _ in chosen.top]
+            assert want in top_ids, f"{where}: the reference's {want} is not in the top {top_ids}"
+        for token_id, logprob in [(chosen.token_id, chosen.logprob), *chosen.top]:
+            diff = abs(logprob - float(reference[i, token_id]))
+            assert diff <= logprob_atol, f"{where}: logprob of {token_id} off by {diff:.3f} nats"
+    return num_flips

@@ -2,15 +2,20 @@
 freed, and the request is recomputed locally (a continuation when the first token already went out).
 
 The decode worker is a real process on a tiny random-weight model; the misbehaving prefill replica is a
-fake gRPC server in this process (the seam: only the KV transfer protocol is faked).
+fake gRPC server in this process (the seam: only the KV transfer protocol is faked). The fake always
+answers FIRST_TOKEN, so every stream that gets past the header must be FIRST_TOKEN followed by the
+model's greedy continuation of PROMPT + [FIRST_TOKEN], which the same worker computes colocated. The KV
+it ships is PROMPT's real KV, computed by an engine in this process on the same model.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,10 +24,11 @@ import torch
 from services.common.manifest import load_verified_manifest
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
-from services.kvtransfer.chunks import Layout, checksum
+from services.kvtransfer.chunks import Layout, checksum, to_bytes
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from tests.engine_helpers import make_engine
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
@@ -31,6 +37,9 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
 FIRST_TOKEN = 42
 PROMPT = [(i * 5) % 120 + 2 for i in range(40)]
+NUM_TOKENS = 12
+TRANSFER_TIMEOUT_S = 2.0
+STALL_LIMIT_S = 30.0  # a stalled fake gives up after this, far past the transfer deadline
 
 
 @dataclass
@@ -41,10 +50,15 @@ class Fault:
 class FakePrefill(kv_transfer_pb2_grpc.PrefillServicer):
     """Answers with a well-formed header and then breaks the promise that `fault.name` says."""
 
-    def __init__(self, fingerprint: str, fault: Fault) -> None:
+    def __init__(self, fingerprint: str, fault: Fault, prompt_kv: torch.Tensor) -> None:
         self.fingerprint = fingerprint
         self.fault = fault
+        self.prompt_kv = prompt_kv  # [num_layers, len(PROMPT), 2, num_kv_heads, head_dim]
         self.calls = 0
+        # Per stalled call: the deadline it came with (s), and whether the caller ended it before
+        # STALL_LIMIT_S (a deadline or a cancel; False: the fake gave up first).
+        self.stall_deadlines: list[float | None] = []
+        self.stalls_ended_by_caller: list[bool] = []
 
     def Prefill(
         self, request: kvpb.PrefillRequest, context: grpc.ServicerContext
@@ -65,10 +79,14 @@ class FakePrefill(kv_transfer_pb2_grpc.PrefillServicer):
             num_chunks=1 if fault != "block_count" else 2,
         )
         yield kvpb.PrefillResponse(header=header)
-        if fault == "stall":
-            time.sleep(6.0)  # past the decode side's transfer deadline
+        if fault == "stall":  # hold the call open until the caller ends it
+            ended = threading.Event()
+            context.add_callback(ended.set)
+            self.stall_deadlines.append(context.time_remaining())
+            self.stalls_ended_by_caller.append(ended.wait(STALL_LIMIT_S))
             return
-        data = torch.zeros(2, num_kv, 2, 2, 16).view(torch.uint8).numpy().tobytes()
+        assert request.prompt_token_ids == PROMPT
+        data = to_bytes(self.prompt_kv[:, request.num_skip_tokens :])
         crc = checksum(data) ^ (1 if fault == "checksum" else 0)
         yield kvpb.PrefillResponse(
             chunk=kvpb.KVChunk(
@@ -84,11 +102,21 @@ class Rig:
     fake_address: str
 
 
+def prompt_kv(model: Path) -> torch.Tensor:
+    """PROMPT's KV as a sound prefill replica computes it: an engine in this process, same model."""
+    engine = make_engine(model, "float32", block_size=LAYOUT.block_size, kv_cache_memory_mb=8)
+    params = SamplingParams(temperature=0.0, max_tokens=2)  # more than one token: the KV is exported
+    engine.add_request("kv", PROMPT, params, export_kv_from=0)
+    (out,) = engine.step()
+    assert out.kv is not None and out.kv.start_token == 0
+    return out.kv.kv  # [num_layers, len(PROMPT), 2, num_kv_heads, head_dim]
+
+
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     fingerprint = load_verified_manifest(model).model_fingerprint
-    fake = FakePrefill(fingerprint, Fault())
+    fake = FakePrefill(fingerprint, Fault(), prompt_kv(model))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     kv_transfer_pb2_grpc.add_PrefillServicer_to_server(fake, server)
     fake_address = f"127.0.0.1:{free_port()}"
@@ -98,7 +126,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         TOKEN,
         KVRELAY_MODEL__DTYPE="float32",
         KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="8",
-        KVRELAY_DISAGGREGATION__TRANSFER_TIMEOUT_MS="2000",
+        KVRELAY_DISAGGREGATION__TRANSFER_TIMEOUT_MS=str(int(TRANSFER_TIMEOUT_S * 1000)),
     )
     address = f"127.0.0.1:{free_port()}"
     logs = tmp_path_factory.mktemp("faults-logs")
@@ -125,9 +153,11 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         server.stop(0)
 
 
-def run(rig: Rig, rid: str, remote: bool) -> tuple[list[int], pb.GenerateResponse]:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    request = pb.GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling_to_proto(params))
+def run(
+    rig: Rig, rid: str, remote: bool, prompt: list[int] = PROMPT, num_tokens: int = NUM_TOKENS
+) -> tuple[list[int], pb.GenerateResponse]:
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    request = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
     if remote:
         request.remote_prefill.address = rig.fake_address
     tokens: list[int] = []
@@ -147,6 +177,17 @@ def assert_idle(rig: Rig) -> pb.LoadResponse:
     raise AssertionError(f"decode replica still holds work: {load}")
 
 
+def stall_outcomes(fake: FakePrefill, num_stalls: int) -> list[bool]:
+    """`fake.stalls_ended_by_caller` once it holds `num_stalls` entries (its handler thread records
+    each one as the call ends)."""
+    give_up = time.monotonic() + STALL_LIMIT_S + 10
+    while len(fake.stalls_ended_by_caller) < num_stalls:
+        if time.monotonic() > give_up:
+            pytest.fail(f"the fake recorded no end of stall {num_stalls} within {STALL_LIMIT_S + 10} s")
+        time.sleep(0.05)
+    return fake.stalls_ended_by_caller
+
+
 @pytest.mark.parametrize("fault", ["fingerprint", "garbage"])
 def test_fault_before_the_first_token_recomputes_the_whole_request(rig: Rig, fault: str) -> None:
     want, _ = run(rig, f"local-{fault}", remote=False)
@@ -158,30 +199,56 @@ def test_fault_before_the_first_token_recomputes_the_whole_request(rig: Rig, fau
     assert assert_idle(rig).prefill_fallbacks_total == before + 1
 
 
-@pytest.mark.parametrize("fault", ["checksum", "block_count", "stall"])
-def test_fault_after_the_first_token_continues_from_it_locally(rig: Rig, fault: str) -> None:
+@pytest.fixture(scope="module")
+def continued(rig: Rig) -> list[int]:
+    """The stream a request must give once FIRST_TOKEN went out: FIRST_TOKEN, then the model's greedy
+    continuation of PROMPT + [FIRST_TOKEN], computed colocated on the same decode worker."""
+    own_first, _ = run(rig, "own-first", remote=False, num_tokens=1)
+    assert own_first != [FIRST_TOKEN], "the model's own first token must differ from the fake's"
+    rest, _ = run(rig, "continuation", remote=False, prompt=[*PROMPT, FIRST_TOKEN], num_tokens=NUM_TOKENS - 1)
+    return [FIRST_TOKEN, *rest]
+
+
+@pytest.mark.parametrize("fault", ["checksum", "block_count"])
+def test_fault_after_the_first_token_continues_from_it_locally(
+    rig: Rig, continued: list[int], fault: str
+) -> None:
     before = assert_idle(rig).prefill_fallbacks_total
     rig.fake.fault.name = fault
-    started = time.monotonic()
     got, last = run(rig, f"cont-{fault}", remote=True)
-    assert got[0] == FIRST_TOKEN and len(got) == 12, "the first token went out; the rest continues from it"
-    assert last.prefill_mode == pb.PREFILL_MODE_FALLBACK
+    assert got == continued, "the first token went out; the rest continues from it"
+    assert last.prefill_mode == pb.PREFILL_MODE_FALLBACK and last.kv_transfer_bytes == 0
     assert assert_idle(rig).prefill_fallbacks_total == before + 1
-    if fault == "stall":
-        assert time.monotonic() - started < 5.5, "the transfer deadline must cut the stall short"
 
 
-def test_sound_transfer_from_the_fake_is_installed(rig: Rig) -> None:
+def test_transfer_deadline_ends_a_stall_and_the_stream_continues_locally(
+    rig: Rig, continued: list[int]
+) -> None:
+    before = assert_idle(rig).prefill_fallbacks_total
+    num_stalls = len(rig.fake.stalls_ended_by_caller)
+    rig.fake.fault.name = "stall"
+    got, last = run(rig, "cont-stall", remote=True)
+    assert got == continued, "the first token went out; the rest continues from it"
+    assert last.prefill_mode == pb.PREFILL_MODE_FALLBACK and last.kv_transfer_bytes == 0
+    assert assert_idle(rig).prefill_fallbacks_total == before + 1
+    assert stall_outcomes(rig.fake, num_stalls + 1)[num_stalls:] == [True], "the stall was never ended"
+    # The call carried the transfer deadline, not the client's 60 s (grpc-timeout may round it up a little;
+    # time spent before the fake read it only lowers it).
+    deadline = rig.fake.stall_deadlines[num_stalls]
+    assert deadline is not None and deadline < 2 * TRANSFER_TIMEOUT_S, f"Prefill's deadline: {deadline}"
+
+
+def test_sound_transfer_from_the_fake_is_installed(rig: Rig, continued: list[int]) -> None:
     rig.fake.fault.name = "none"
     got, last = run(rig, "sound", remote=True)
-    assert got[0] == FIRST_TOKEN and len(got) == 12
+    assert got == continued, "decoding from the received KV must equal recomputing it"
     assert last.prefill_mode == pb.PREFILL_MODE_REMOTE and last.kv_transfer_bytes > 0
     assert_idle(rig)
 
 
 def test_client_gone_during_a_stalled_transfer_frees_the_reservation(rig: Rig) -> None:
     rig.fake.fault.name = "stall"
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     request = pb.GenerateRequest(
         request_id="gone", prompt_token_ids=PROMPT, sampling=sampling_to_proto(params)
     )
