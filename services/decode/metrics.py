@@ -96,6 +96,16 @@ class _EngineCollector(Collector):
             "kvrelay_engine_preemptions", "Requests preempted for KV room.", stats.num_preemptions
         )
         yield self._counter(
+            "kvrelay_worker_aborted_requests",
+            "Requests aborted while live (client gone, cancel, deadline, shutdown).",
+            stats.num_aborted,
+        )
+        yield self._counter(
+            "kvrelay_worker_generation_tokens",
+            "Tokens sampled by this worker's engine (on a prefill worker: each first token).",
+            stats.num_generated_tokens,
+        )
+        yield self._counter(
             "kvrelay_kv_transfer_bytes",
             "KV bytes sent (prefill) or received (decode).",
             self.counters.bytes_total,

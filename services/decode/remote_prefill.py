@@ -23,11 +23,11 @@ import grpc
 from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
-from services.common.proto_convert import sampling_from_proto
+from services.common.proto_convert import FINISH_FROM_PROTO, sampling_from_proto
 from services.decode.outputs import output_to_proto
 from services.decode.request_trace import RequestTrace
 from services.engine.async_engine import AsyncEngine
-from services.engine.request import TokenLogprob
+from services.engine.request import FinishReason, TokenLogprob
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
 from services.prefill.prefill_service import TransferCounters
@@ -168,7 +168,8 @@ class RemotePrefill:
             )
             yield _first_response(header, request.sampling.HasField("logprobs"))
             if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                self.engine.release(request_id)  # the first token ended it: nothing to decode
+                reason = FinishReason(FINISH_FROM_PROTO.get(header.finish_reason) or "stop")
+                self.engine.end_reserved(request_id, reason)  # the first token ended it: nothing to decode
                 transfer.trace.transfer_ended("remote", 0, header.num_cached_tokens)
                 return
             try:

@@ -144,4 +144,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_transfer_bytes_total=self.counters.bytes_total,
             remote_prefills_total=self.counters.remote_prefills_total,
             prefill_fallbacks_total=self.counters.fallbacks_total,
+            requests_aborted_total=stats.num_aborted,
+            generation_tokens_total=stats.num_generated_tokens,
         )

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, KVExport, RequestOutput
-from services.engine.request import TokenLogprob
+from services.engine.request import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,11 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self.abort(request_id)
 
+    def end_reserved(self, request_id: str, reason: FinishReason) -> None:
+        """Forget a reserved request that the prefill replica's first token finished (not an abort)."""
+        self._streams.pop(request_id, None)
+        self._submit(lambda: self.core.end_reserved(request_id, reason))
+
     def _open(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> _Stream:
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
@@ -261,7 +266,8 @@ class AsyncEngine:
                     num_open -= 1
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:  # not a newer stream under the same ID (a retry)
+                del self._streams[request_id]
             if num_open:
                 self.abort(request_id)
 
@@ -339,9 +345,20 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         seq_ids = stream.seq_ids if stream else []
-        if not seq_ids:
+        if not seq_ids:  # a closed stream, or one not in the engine yet: abort what runs under the ID
+            stream = None
             seq_ids = [s for s in self.core.scheduler.requests if s.partition("#")[0] == request_id]
+        live = [self.core.scheduler.requests[s] for s in seq_ids if s in self.core.scheduler.requests]
         self.core.abort(seq_ids)
+        if stream is not None and live:  # aborted by ID (Worker.Abort) while its stream is still read
+            self._deliver_outputs()  # the last step's tokens first, then the end
+            for request in live:
+                _, _, index = request.request_id.partition("#")
+                end = RequestOutput(
+                    request_id, int(index) if index else 0, [], None, FinishReason.ABORT,
+                    request.num_prompt_tokens, request.num_cached_tokens,
+                )  # fmt: skip
+                stream.deliver(end)
 
     def _run(self) -> None:
         try:

@@ -69,6 +69,8 @@ class EngineStats:
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
     num_steps: int
+    num_aborted: int = 0  # requests an abort took out while still live (cancel, deadline, shutdown)
+    num_generated_tokens: int = 0  # tokens sampled here, every request and sample together
 
 
 class EngineCore:
@@ -92,6 +94,7 @@ class EngineCore:
         self.root_hash = root_hash(loaded.manifest.model_fingerprint)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.num_steps = 0
+        self.num_aborted = 0
 
     @classmethod
     def from_config(cls, config: KvrelayConfig) -> EngineCore:
@@ -203,6 +206,13 @@ class EngineCore:
             self._append_first(request, first)
         self.scheduler.requeue(request)
 
+    def end_reserved(self, request_id: str, reason: FinishReason) -> None:
+        """The prefill replica's first token already ended the request: free its reservation. Not an
+        abort, so `num_aborted` does not count it."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_KV:
+            self.scheduler.finish(request, reason)
+
     def _reserved(self, request_id: str) -> Request:
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
@@ -216,14 +226,16 @@ class EngineCore:
             request.logprobs.append(first)
 
     def abort(self, seq_ids: Sequence[str]) -> int:
-        """Abort sequences wherever they are; every block returns to the pool. Returns how many."""
-        num_aborted = 0
+        """Abort sequences wherever they are; every block returns to the pool. Returns how many.
+        `num_aborted` counts the requests (all n samples as one) that still had a live sequence."""
+        removed = []
         for seq_id in seq_ids:
             request = self.scheduler.requests.get(seq_id)
             if request is not None:
                 self.scheduler.finish(request, FinishReason.ABORT)
-                num_aborted += 1
-        return num_aborted
+                removed.append(seq_id)
+        self.num_aborted += len({seq_id.partition("#")[0] for seq_id in removed})
+        return len(removed)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -269,6 +281,8 @@ class EngineCore:
             prefix_cache_hits=self.prefix_stats.num_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_aborted=self.num_aborted,
+            num_generated_tokens=self.scheduler.num_generated_tokens,
         )
 
     def check_invariants(self) -> None:

@@ -63,6 +63,7 @@ class Scheduler:
     running: list[Request] = field(default_factory=list)
     requests: dict[str, Request] = field(default_factory=dict)
     num_preemptions: int = 0
+    num_generated_tokens: int = 0  # tokens sampled (appended in `update`), never reset
     # Seconds each newly admitted request waited since arrival; drained by whoever reports metrics.
     queue_times: list[float] = field(default_factory=list)
 
@@ -184,6 +185,7 @@ class Scheduler:
             if token is None:
                 continue
             request.append_token(token.token_id)
+            self.num_generated_tokens += 1
             if request.params.logprobs is not None:
                 request.logprobs.append(token)
             reason = request.check_stop()

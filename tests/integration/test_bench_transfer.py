@@ -1,6 +1,7 @@
 """`kvrelay bench transfer` end to end on a tiny random-weight model: real worker and router processes,
 small prompts, one repeat, a short load phase. Checks the JSON's shape and that KV really travelled over
-gRPC; no timing is asserted. The torch.distributed transport may be measured or reported as skipped."""
+gRPC and over the torch.distributed transport (gloo, which every CPU build of torch has); no timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -52,18 +53,17 @@ def test_bench_transfer_reports_remote_kv_bytes_and_load_ttft(tmp_path: Path) ->
     assert "xfer/TTFT" in done.stdout and "TTFT p99 ms" in done.stdout
     result = json.loads(out.read_text())
 
-    grpc_side = result["transfer"]["grpc"]
-    assert grpc_side["status"] == "ok", grpc_side
-    for length in ("64", "128"):
-        summary = grpc_side["lengths"][length]
-        assert summary.keys() >= TRANSFER_KEYS
-        assert summary["prefill_modes"] == ["REMOTE"]
-        assert summary["kv_bytes"] > 0 and summary["kv_bytes_per_token"] > 0
-        assert all(run["kv_bytes"] > 0 and run["tokens"] == 8 for run in summary["runs"])
-    per_token = grpc_side["lengths"]["64"]["kv_bytes_per_token"]
-    assert per_token == 2 * 2 * 2 * 16 * 4  # layers x K,V x KV heads x head dim x float32
-    torch_side = result["transfer"]["torch"]
-    assert torch_side["status"] == "ok" or torch_side["reason"]
+    for transport in ("grpc", "torch"):  # torch.distributed (gloo) runs on any CPU: no skip is accepted
+        side = result["transfer"][transport]
+        assert side["status"] == "ok", f"{transport}: {side}"
+        for length in ("64", "128"):
+            summary = side["lengths"][length]
+            assert summary.keys() >= TRANSFER_KEYS
+            assert summary["prefill_modes"] == ["REMOTE"], f"{transport} fell back: {summary}"
+            assert summary["kv_bytes"] > 0 and summary["kv_transfer_s"] > 0
+            assert all(run["kv_bytes"] > 0 and run["tokens"] == 8 for run in summary["runs"])
+        per_token = side["lengths"]["64"]["kv_bytes_per_token"]
+        assert per_token == 2 * 2 * 2 * 16 * 4  # layers x K,V x KV heads x head dim x float32
 
     assert set(result["colocated"]) == {"64", "128"}
     sides = result["load"]["sides"]

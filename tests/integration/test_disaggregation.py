@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import pytest
@@ -173,26 +174,65 @@ def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 20.0) -> pb.Loa
     raise AssertionError(f"not idle after {timeout}s: {load}")
 
 
+STORM_TOKENS = 400
+NUM_IN_PREFILL = 2  # long prompts: D reserves room for each one's KV while P computes it
+NUM_IN_DECODE = 12
+
+
+class StreamingCall(Iterator[pb.GenerateResponse], Protocol):
+    def cancel(self) -> bool: ...
+
+
+def storm_call(router: worker_pb2_grpc.WorkerStub, rid: str, prompt: list[int]) -> StreamingCall:
+    params = SamplingParams(temperature=0.0, max_tokens=STORM_TOKENS, ignore_eos=True)
+    request = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
+    return router.Generate(request, metadata=MD, timeout=120)
+
+
+def wait_in_prefill(prefill: worker_pb2_grpc.WorkerStub, num: int, idle: pb.LoadResponse) -> None:
+    """Until P holds `num` requests and has sampled no token since `idle`: every one is in prefill."""
+    deadline = time.monotonic() + 60
+    load = idle
+    while time.monotonic() < deadline:
+        load = prefill.Load(pb.LoadRequest(), metadata=MD)
+        assert load.generation_tokens_total == idle.generation_tokens_total, "a prefill finished first"
+        if load.running + load.waiting == num:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"P never held the {num} requests in prefill: {load}")
+
+
 def test_cancel_storm_frees_everything_on_both_sides(pd: PDStack, prompts: dict[str, list[int]]) -> None:
-    router = pd.stub("router")
-    calls = []
-    for i in range(24):
-        prompt = prompts["raw-long"] if i % 3 == 0 else prompts["chat-short"]
-        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        request = pb.GenerateRequest(
-            request_id=f"storm-{i}",
-            prompt_token_ids=[*prompt[:-1], 100 + i],
-            sampling=sampling_to_proto(params),
-        )
-        calls.append(router.Generate(request, metadata=MD, timeout=120))
-    time.sleep(0.5)  # some in prefill on P
-    for call in calls[::2]:
+    router, prefill, decode = pd.stub("router"), pd.stub("prefill"), pd.stub("decode")
+    p0, d0 = wait_idle(prefill), wait_idle(decode)
+    long_prompt = prompts["raw-long"]
+    # A token of its own right after BOS: no prefix cache holds a block of it, so P computes every token.
+    calls = [
+        storm_call(router, f"storm-prefill-{i}", [long_prompt[0], 400 + i, *long_prompt[1:]])
+        for i in range(NUM_IN_PREFILL)
+    ]
+    wait_in_prefill(prefill, NUM_IN_PREFILL, p0)
+    for call in calls:
         call.cancel()
-    for call in calls[1::2]:  # the rest once their first tokens arrive (in decode on D)
-        next(iter(call), None)
+    p1, d1 = wait_idle(prefill), wait_idle(decode)
+    assert p1.requests_aborted_total - p0.requests_aborted_total == NUM_IN_PREFILL, "P aborted them"
+    assert p1.generation_tokens_total == p0.generation_tokens_total, "none got as far as a first token"
+    assert d1.requests_aborted_total - d0.requests_aborted_total == NUM_IN_PREFILL, "D freed the reservations"
+    assert d1.generation_tokens_total == d0.generation_tokens_total
+
+    short_prompt = prompts["chat-short"]
+    calls = [
+        storm_call(router, f"storm-decode-{i}", [*short_prompt[:-1], 100 + i]) for i in range(NUM_IN_DECODE)
+    ]
+    for call in calls:  # the first token came from P, which is done with the request: D decodes it
+        assert next(call).token_ids
+    for call in calls:
         call.cancel()
-    for name in ("prefill", "decode"):
-        wait_idle(pd.stub(name))
+    p2, d2 = wait_idle(prefill), wait_idle(decode)
+    assert p2.requests_aborted_total == p1.requests_aborted_total, "P had handed every one to D"
+    assert d2.requests_aborted_total - d1.requests_aborted_total == NUM_IN_DECODE, "D aborted every one"
+    num_decoded = d2.generation_tokens_total - d1.generation_tokens_total
+    assert num_decoded < NUM_IN_DECODE * STORM_TOKENS // 4, f"D decoded {num_decoded} tokens after cancel"
 
 
 def test_killing_prefill_under_load_fails_no_request(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from services.common.errors import EmptyPromptError
 from services.common.sampling import SamplingParams
 from services.engine.async_engine import AsyncEngine
-from services.engine.core import EngineCore
+from services.engine.core import EngineCore, EngineStats
 from services.engine.request import FinishReason
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tiny_model import make_tiny_llama
@@ -39,9 +41,10 @@ def test_abort_mid_prefill_or_mid_decode_returns_every_block(
     for _ in range(abort_after_steps):
         engine.step()
         engine.check_invariants()
-    engine.abort(["long", "short"])
+    assert engine.abort(["long", "short"]) == 2  # neither has finished: short needs 12 steps
     engine.check_invariants()
     stats = engine.stats()
+    assert stats.num_aborted == 2
     assert stats.kv_blocks.num_active == 0
     assert stats.num_running == stats.num_waiting == 0
 
@@ -84,20 +87,35 @@ def test_parallel_samples_with_a_seed_differ_from_each_other(engine: EngineCore)
     assert len({tuple(outs[k]) for k in ("p", "p#1", "p#2")}) == 3
 
 
+async def wait_for_stats(
+    client: AsyncEngine, condition: Callable[[EngineStats], bool], what: str, timeout: float = 10.0
+) -> EngineStats:
+    deadline = time.monotonic() + timeout
+    while not condition(stats := client.stats()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout} s: {stats}")
+        await asyncio.sleep(0.01)
+    return stats
+
+
 async def test_async_stream_yields_tokens_and_closing_early_aborts(engine: EngineCore) -> None:
     client = AsyncEngine(engine)
     client.start()
     try:
         tokens = [o.new_token_ids[0] async for o in client.generate("a", [4, 5, 6], GREEDY)]
         assert len(tokens) == 12
-        stream = client.generate("b", list(range(2, 90)), SamplingParams(max_tokens=200, ignore_eos=True))
+        prompt = list(range(2, 90))
+        max_tokens = engine.max_model_len - len(prompt)  # as long as the context allows
+        stream = client.generate("b", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         await anext(stream)
         await stream.aclose()  # the client went away
-        for _ in range(100):
-            if client.stats().num_running == 0 and client.stats().kv_blocks.num_active == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert client.stats().kv_blocks.num_active == 0
+        stats = await wait_for_stats(
+            client,
+            lambda s: s.num_aborted == 1 and s.num_running == 0 and s.kv_blocks.num_active == 0,
+            "the abort of the closed stream",
+        )
+        num_generated = stats.num_generated_tokens - len(tokens)
+        assert 0 < num_generated < max_tokens // 2, f"{num_generated} of {max_tokens}: not stopped early"
         with pytest.raises(EmptyPromptError):
             await anext(client.generate("c", [], GREEDY))
     finally:

@@ -21,11 +21,15 @@ from tests.tiny_model import make_tiny_llama
 
 TOKEN = "test-internal-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
+# The served model's context: a request as long as it runs for seconds (about 5 s for 16k tokens on one
+# thread), so a cancel or a deadline that lands within milliseconds must cut it far short.
+CONTEXT = 16384
+LONG_CONTEXT = {"max_position_embeddings": CONTEXT}
 
 
 class Stack:
     def __init__(self, tmp: Path, model_dirs: list[Path]) -> None:
-        env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="8")
+        env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="16")
         self.worker_addrs = [f"127.0.0.1:{free_port()}" for _ in model_dirs]
         self.router_addr = f"127.0.0.1:{free_port()}"
         self.workers = [
@@ -79,7 +83,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     root = tmp_path_factory.mktemp("models")
-    return [make_tiny_llama(root / "a", seed=0), make_tiny_llama(root / "b", seed=1)]
+    return [make_tiny_llama(root / "a", seed=0, **LONG_CONTEXT), make_tiny_llama(root / "b", seed=1)]
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +98,26 @@ def request(rid: str, prompt: list[int], **sampling: object) -> pb.GenerateReque
     return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
 
 
-def wait_idle(stub: worker_pb2_grpc.WorkerStub) -> pb.LoadResponse:
-    for _ in range(100):
+def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 60.0) -> pb.LoadResponse:
+    """The worker's Load once nothing runs, waits or holds a block (fails the test if that never comes)."""
+    deadline = time.monotonic() + timeout
+    while True:
         load = stub.Load(pb.LoadRequest(), metadata=MD)
         if load.running == 0 and load.waiting == 0 and load.kv_blocks.active == 0:
             return load
+        if time.monotonic() > deadline:
+            pytest.fail(f"the worker did not go idle within {timeout} s: {load}")
         time.sleep(0.05)
-    return load
+
+
+def assert_cut_short(before: pb.LoadResponse, after: pb.LoadResponse, max_tokens: int) -> int:
+    """Exactly one request was aborted on the worker between the two Loads, long before max_tokens."""
+    num_aborted = after.requests_aborted_total - before.requests_aborted_total
+    assert num_aborted == 1, f"the worker aborted {num_aborted} requests, not the one cut short"
+    generated = after.generation_tokens_total - before.generation_tokens_total
+    assert 0 < generated < max_tokens // 4, f"the worker generated {generated} of {max_tokens} tokens"
+    assert after.kv_blocks.active == 0 and after.running == 0
+    return generated
 
 
 def test_internal_calls_need_the_token_and_health_does_not(stack: Stack) -> None:
@@ -141,21 +158,30 @@ def test_router_never_uses_a_worker_with_another_model_fingerprint(stack: Stack)
     assert stack.worker_addrs[1] in stack.router.log()
 
 
-def test_cancelled_stream_frees_every_block_on_the_worker(stack: Stack) -> None:
-    call = stack.stub.Generate(request("c1", list(range(2, 120)), max_tokens=300), metadata=MD)
-    next(call)
+def test_cancelled_stream_stops_the_request_and_frees_every_block(stack: Stack) -> None:
+    worker = stack.worker_stub(0)
+    before = wait_idle(worker)
+    prompt = list(range(2, 10))
+    max_tokens = CONTEXT - len(prompt)
+    call = stack.stub.Generate(request("c1", prompt, max_tokens=max_tokens), metadata=MD)
+    assert next(call).token_ids  # the request is generating on the worker
     call.cancel()
-    load = wait_idle(stack.worker_stub(0))
-    assert load.kv_blocks.active == 0 and load.running == 0
+    assert_cut_short(before, wait_idle(worker), max_tokens)
 
 
-def test_deadline_expiry_aborts_and_frees_blocks(stack: Stack) -> None:
+def test_deadline_expiry_stops_the_request_and_frees_blocks(stack: Stack) -> None:
+    worker = stack.worker_stub(0)
+    before = wait_idle(worker)
+    prompt = list(range(2, 10))
+    max_tokens = CONTEXT - len(prompt)
+    received = 0
     with pytest.raises(grpc.RpcError) as err:
-        list(
-            stack.stub.Generate(request("d1", list(range(2, 120)), max_tokens=380), metadata=MD, timeout=0.05)
-        )
+        call = stack.stub.Generate(request("d1", prompt, max_tokens=max_tokens), metadata=MD, timeout=0.2)
+        for response in call:
+            received += len(response.token_ids)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert wait_idle(stack.worker_stub(0)).kv_blocks.active == 0
+    generated = assert_cut_short(before, wait_idle(worker), max_tokens)
+    assert received <= generated
 
 
 def test_invalid_tokens_are_invalid_argument(stack: Stack) -> None:

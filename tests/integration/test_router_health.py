@@ -24,6 +24,10 @@ from tests.tiny_model import make_tiny_llama
 
 TOKEN = "health-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
+NUM_STREAMS = 6
+# Long enough (a second or more on a shared 2-core machine) that no stream ends between seeing where the
+# streams are and the kill; the survivor still finishes its share quickly.
+STREAM_TOKENS = 6000
 
 
 @dataclass
@@ -63,11 +67,11 @@ def start_fake(fingerprint: str, mode: Mode) -> tuple[grpc.Server, str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=6144)
 
 
 def start_worker(tiny: Path, logs: Path, name: str) -> tuple[Proc, str]:
-    env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="8")
+    env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="16")
     address = f"127.0.0.1:{free_port()}"
     proc = Proc(
         ["worker", "--model", str(tiny), "--port", address.split(":")[1], "--threads", "1", "--name", name],
@@ -123,6 +127,23 @@ def test_a_replica_that_turns_bad_is_ejected_and_named(tiny: Path, tmp_path: Pat
         fake.stop(0)
 
 
+def stream_placement(
+    received: list[int], workers: list[worker_pb2_grpc.WorkerStub], timeout: float = 60.0
+) -> list[int]:
+    """Once every stream has had a token, the streams each worker holds (its Load's running + waiting),
+    when they account for all of them: nothing was retried elsewhere and nothing has finished yet."""
+    deadline = time.monotonic() + timeout
+    held: list[int] = []
+    while time.monotonic() < deadline:
+        if all(received):
+            loads = [worker.Load(pb.LoadRequest(), metadata=MD) for worker in workers]
+            held = [load.running + load.waiting for load in loads]
+            if sum(held) == len(received):
+                return held
+        time.sleep(0.005)
+    pytest.fail(f"the streams were never all under way within {timeout} s: tokens {received}, held {held}")
+
+
 def test_killed_worker_ends_its_streams_cleanly_and_the_survivor_serves(tiny: Path, tmp_path: Path) -> None:
     (w0, a0), (w1, a1) = start_worker(tiny, tmp_path, "w0"), start_worker(tiny, tmp_path, "w1")
     router, router_address = start_router([a0, a1], tmp_path)
@@ -134,34 +155,42 @@ def test_killed_worker_ends_its_streams_cleanly_and_the_survivor_serves(tiny: Pa
         channel = grpc.insecure_channel(router_address)
         stub = worker_pb2_grpc.WorkerStub(channel)
         outcomes: dict[int, str] = {}
+        received = [0] * NUM_STREAMS
 
         def stream(i: int) -> None:
-            params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True)
             request = pb.GenerateRequest(
                 request_id=f"long-{i}", prompt_token_ids=[3 + i, 4, 5], sampling=sampling_to_proto(params)
             )
             try:
-                num_tokens = sum(len(r.token_ids) for r in stub.Generate(request, metadata=MD, timeout=120))
-                outcomes[i] = "ok" if num_tokens == 400 else f"short {num_tokens}"
+                for response in stub.Generate(request, metadata=MD, timeout=120):
+                    received[i] += len(response.token_ids)
+                outcomes[i] = "ok" if received[i] == STREAM_TOKENS else f"short {received[i]}"
             except grpc.RpcError as exc:
                 outcomes[i] = exc.code().name
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        worker_channels = [grpc.insecure_channel(address) for address in (a0, a1)]
+        workers = [worker_pb2_grpc.WorkerStub(c) for c in worker_channels]
+        assert all(worker.Load(pb.LoadRequest(), metadata=MD).ready for worker in workers)  # connected
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
-        w0.popen.kill()
+        on_victim, on_survivor = stream_placement(received, workers)
+        assert on_victim >= 1 and on_survivor >= 1, f"the router put every stream on one worker: {outcomes}"
+        w0.popen.kill()  # streams known to be on it, each past its first token
         for thread in threads:
             thread.join(180)
-        assert set(outcomes.values()) <= {"ok", "UNAVAILABLE"}, outcomes
-        assert "ok" in outcomes.values()
+        assert sorted(outcomes.values()) == ["UNAVAILABLE"] * on_victim + ["ok"] * on_survivor, outcomes
+        served_before = workers[1].Load(pb.LoadRequest(), metadata=MD).requests_total
         for i in range(6):  # new requests: all served (by the survivor), none fails
             params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
             request = pb.GenerateRequest(
                 request_id=f"after-{i}", prompt_token_ids=[7, 8, 9 + i], sampling=sampling_to_proto(params)
             )
             assert sum(len(r.token_ids) for r in stub.Generate(request, metadata=MD, timeout=60)) == 8
-        channel.close()
+        assert workers[1].Load(pb.LoadRequest(), metadata=MD).requests_total == served_before + 6
+        for c in [channel, *worker_channels]:
+            c.close()
     finally:
         for proc in procs:
             proc.stop()

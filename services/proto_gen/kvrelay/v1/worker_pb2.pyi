@@ -184,7 +184,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total")
+    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class LoadResponse(_message.Message):
     KV_TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FALLBACKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ABORTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks: KVBlocks
@@ -205,7 +207,9 @@ class LoadResponse(_message.Message):
     kv_transfer_bytes_total: int
     remote_prefills_total: int
     prefill_fallbacks_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ...) -> None: ...
+    requests_aborted_total: int
+    generation_tokens_total: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ()
