@@ -56,7 +56,7 @@ class RouterCollector(Collector):
         )
         queued = GaugeMetricFamily(
             "kvrelay_router_replica_queued_tokens",
-            "Prompt tokens sent there whose first token has not come back.",
+            "Uncached prompt tokens sent there whose first token has not come back.",
             labels=labels,
         )
         indexed = GaugeMetricFamily(

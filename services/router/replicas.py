@@ -68,7 +68,7 @@ class Replica:
     healthy: bool = False
     fingerprint_ok: bool = True
     in_flight: int = 0
-    queued_tokens: int = 0  # prompt tokens dispatched here whose first token has not come back
+    queued_tokens: int = 0  # uncached prompt tokens dispatched here whose first token has not come back
     draining: bool = False  # left discovery, terminating or not ready: no new requests
     gone: bool = False  # left discovery: dropped once idle
     num_failures: int = 0

@@ -61,7 +61,10 @@ class _Route:
     choice: Choice
     prefill: Replica | None
     decision: Decision
-    num_prompt_tokens: int
+    # Prompt tokens the decode (prefill) replica has to compute, those it does not cache, until the first
+    # token: a queued prompt that is mostly a cache hit holds up the replica's next prompts only that long.
+    num_decode_tokens: int
+    num_prefill_tokens: int
 
 
 class RouterService(worker_pb2_grpc.WorkerServicer):
@@ -125,7 +128,10 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             return None
         decode, decode_candidate = decodes[choice.name]
         prefill, decision = self._prefill_for(request, decode, decode_candidate, hashes, block_size)
-        return _Route(decode, choice, prefill, decision, len(prompt))
+        num_prefill = len(prompt) - prefill.cached_tokens(hashes, block_size) if prefill else 0
+        return _Route(
+            decode, choice, prefill, decision, len(prompt) - decode_candidate.cached_tokens, num_prefill
+        )
 
     def _prefill_for(
         self,
@@ -243,18 +249,18 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             if replica is not None:
                 replica.in_flight += delta
         if delta > 0:
-            route.decode.queued_tokens += route.num_prompt_tokens
+            route.decode.queued_tokens += route.num_decode_tokens
             if route.prefill is not None:
-                route.prefill.queued_tokens += route.num_prompt_tokens
+                route.prefill.queued_tokens += route.num_prefill_tokens
             self.decisions[("remote" if route.prefill else "local", route.decision.reason)] += 1
             self.route_reasons[route.choice.reason] += 1
 
     def _first_token(self, route: _Route) -> None:
         """The prompt is done: it no longer waits ahead of others on either replica."""
-        for replica in (route.decode, route.prefill):
-            if replica is not None:
-                replica.queued_tokens = max(0, replica.queued_tokens - route.num_prompt_tokens)
-        route.num_prompt_tokens = 0
+        route.decode.queued_tokens = max(0, route.decode.queued_tokens - route.num_decode_tokens)
+        if route.prefill is not None:
+            route.prefill.queued_tokens = max(0, route.prefill.queued_tokens - route.num_prefill_tokens)
+        route.num_decode_tokens = route.num_prefill_tokens = 0
 
     def _learn_bandwidth(self, response: pb.GenerateResponse) -> None:
         if response.prefill_mode == pb.PREFILL_MODE_REMOTE and response.kv_transfer_seconds > 0:

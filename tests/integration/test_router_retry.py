@@ -1,0 +1,159 @@
+"""The router's retry, on a real router process over a fake replica (at the gRPC seam) and a real worker
+(tiny random-weight model), round-robin so the fake is tried first: a replica that fails with UNAVAILABLE
+before any token is ejected and the request is served by the other, with the tokens the worker gives;
+once a token has gone out the error reaches the client and no other replica is tried (a retry would
+repeat tokens)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.manifest import load_verified_manifest
+from services.common.proto_convert import sampling_to_proto
+from services.common.sampling import SamplingParams
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.router_fakes import FakeReplica, FakeServer, GenerateScript, start_fake
+from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.tiny_model import make_tiny_llama
+
+TOKEN = "retry-token"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+PROMPT = [5, 9, 17, 33, 2, 8]
+
+
+@dataclass
+class Worker:
+    stub: worker_pb2_grpc.WorkerStub
+    address: str
+    fingerprint: str
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    model = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="8")
+    address = f"127.0.0.1:{free_port()}"
+    proc = Proc(
+        ["worker", "--model", str(model), "--port", address.split(":")[1], "--threads", "1"],
+        env,
+        tmp_path_factory.mktemp("retry-logs") / "worker.log",
+    )
+    try:
+        wait_serving(address, proc)
+        with grpc.insecure_channel(address) as channel:
+            yield Worker(
+                worker_pb2_grpc.WorkerStub(channel), address, load_verified_manifest(model).model_fingerprint
+            )
+    finally:
+        proc.stop()
+
+
+@dataclass
+class Router:
+    proc: Proc
+    stub: worker_pb2_grpc.WorkerStub
+    metrics_port: int
+
+    def retries(self) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        return next(s.value for s in samples if s.name == "kvrelay_router_retries_total")
+
+
+@pytest.fixture
+def fake(worker: Worker) -> Iterator[FakeServer]:
+    server = start_fake(FakeReplica(worker.fingerprint))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def router(worker: Worker, fake: FakeServer, tmp_path: Path) -> Iterator[Router]:
+    """Round-robin over [fake, worker]: the first request tries the fake first."""
+    address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    proc = Proc(
+        [
+            *("router", "--port", address.split(":")[1], "--workers", f"{fake.address},{worker.address}"),
+            *("--metrics-port", str(metrics_port)),
+        ],
+        stack_env(TOKEN, KVRELAY_ROUTER__POLICY="round_robin"),
+        tmp_path / "router.log",
+    )
+    try:
+        wait_serving(address, proc)
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            wait_for(lambda: all_ready(channel, 2), "both replicas ready in the router")
+            yield Router(proc, stub, metrics_port)
+    finally:
+        proc.stop()
+
+
+def all_ready(channel: grpc.Channel, num_replicas: int) -> bool:
+    listed = worker_pb2_grpc.RouterStub(channel).Replicas(pb.ReplicasRequest(), metadata=MD).replicas
+    return len(listed) == num_replicas and all(r.ready for r in listed)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout} s")
+        time.sleep(0.05)
+
+
+def request(request_id: str) -> pb.GenerateRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling_to_proto(params)
+    )
+
+
+def tokens(responses: Iterator[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_a_replica_failing_before_the_first_token_is_retried_on_another(
+    worker: Worker, fake: FakeServer, router: Router
+) -> None:
+    expected = tokens(worker.stub.Generate(request("direct"), metadata=MD, timeout=30))
+    served_before = worker.stub.Load(pb.LoadRequest(), metadata=MD).requests_total
+    fake.replica.script = GenerateScript(fail_after=0)
+
+    got = tokens(router.stub.Generate(request("retried"), metadata=MD, timeout=30))
+
+    assert got == expected and len(got) == 6
+    assert [c.request_id for c in fake.replica.generate_calls] == ["retried"]  # tried first, and failed
+    assert worker.stub.Load(pb.LoadRequest(), metadata=MD).requests_total == served_before + 1
+    assert router.retries() == 1
+    log = router.proc.log()
+    assert "retrying on another replica" in log
+    ejected = [line for line in log.splitlines() if "replica ejected" in line]
+    assert ejected and fake.address in ejected[0] and "UNAVAILABLE" in ejected[0]
+
+
+def test_once_a_token_went_out_the_error_reaches_the_client_and_nothing_is_retried(
+    worker: Worker, fake: FakeServer, router: Router
+) -> None:
+    served_before = worker.stub.Load(pb.LoadRequest(), metadata=MD).requests_total
+    fake.replica.script = GenerateScript(token_ids=[9, 10, 11], fail_after=1)
+
+    received: list[int] = []
+    with pytest.raises(grpc.RpcError) as failed:
+        for response in router.stub.Generate(request("mid-stream"), metadata=MD, timeout=30):
+            received.extend(response.token_ids)
+
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert received == [9]  # the fake's one token, and nothing from another replica after it
+    assert [c.request_id for c in fake.replica.generate_calls] == ["mid-stream"]
+    assert worker.stub.Load(pb.LoadRequest(), metadata=MD).requests_total == served_before
+    assert router.retries() == 0
