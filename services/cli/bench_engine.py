@@ -97,16 +97,20 @@ def median(values: list[float]) -> float:
 def _print_table(result: dict[str, Any], batches: list[int]) -> None:
     sides = [s for s in ("kvrelay", "transformers") if s in result]
     header = ["metric", *sides] + (["ratio"] if len(sides) == 2 else [])
-    rows = [["prefill tok/s", *[f"{result[s]['prefill_tok_s']:.0f}" for s in sides]]]
+    metrics: list[tuple[str, list[float], str]] = [
+        ("prefill tok/s", [result[s]["prefill_tok_s"] for s in sides], ".0f")
+    ]
     for b in batches:
-        rows.append([f"decode tok/s @{b}", *[f"{result[s]['decode'][str(b)]['tok_s']:.1f}" for s in sides]])
+        metrics.append((f"decode tok/s @{b}", [result[s]["decode"][str(b)]["tok_s"] for s in sides], ".1f"))
     for b in batches:
-        rows.append([f"TTFT ms @{b}", *[f"{result[s]['decode'][str(b)]['ttft_ms']:.0f}" for s in sides]])
-    if len(sides) == 2:
-        for row in rows:
-            a, b_ = float(row[1]), float(row[2])
-            better_low = row[0].startswith("TTFT")
-            row.append(f"{(b_ / a if better_low else a / b_):.2f}x")
+        metrics.append((f"TTFT ms @{b}", [result[s]["decode"][str(b)]["ttft_ms"] for s in sides], ".0f"))
+    rows = []
+    for name, values, fmt in metrics:
+        row = [name, *[format(v, fmt) for v in values]]
+        if len(sides) == 2:  # from the measured values: a TTFT under 0.5 ms prints as 0
+            ours, theirs = values if not name.startswith("TTFT") else values[::-1]
+            row.append(f"{ours / theirs:.2f}x" if theirs > 0 else "n/a")
+        rows.append(row)
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))

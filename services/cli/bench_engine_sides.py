@@ -51,11 +51,13 @@ def run_batch(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) 
         engine.add_request(f"{tag}-{i}", prompt, params)
     first: dict[str, float] = {}
     stamps: list[tuple[float, int]] = []  # (time, tokens produced this step)
+    num_tokens = 0
     while engine.has_work():
         outputs = engine.step()
         now = time.perf_counter()
         for o in outputs:
             first.setdefault(o.request_id, now)
+            num_tokens += len(o.new_token_ids)
         stamps.append((now, len(outputs)))
     t_all_first = max(first.values())
     decode_tokens = sum(n for t, n in stamps if t > t_all_first)
@@ -64,6 +66,7 @@ def run_batch(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) 
         "tok_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
         "ttft_ms": 1000 * median([t - t0 for t in first.values()]),
         "e2e_tok_s": len(prompts) * new_tokens / (stamps[-1][0] - t0),
+        "num_tokens": num_tokens,
     }
 
 
@@ -106,7 +109,7 @@ def measure_baseline(
             model.generate(**kw, max_new_tokens=4, min_new_tokens=4)
             stamp = Stamp()
             t0 = time.perf_counter()
-            model.generate(
+            generated = model.generate(
                 **kw,
                 max_new_tokens=args.new_tokens,
                 min_new_tokens=args.new_tokens,
@@ -118,5 +121,6 @@ def measure_baseline(
             "tok_s": b * (len(stamp.times) - 1) / span,
             "ttft_ms": 1000 * (stamp.times[0] - t0),
             "e2e_tok_s": b * args.new_tokens / wall,
+            "num_tokens": b * (generated.shape[1] - width),
         }
     return out

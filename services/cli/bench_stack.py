@@ -70,6 +70,7 @@ async def _measure_stack(url: str, concurrency: int, new_tokens: int) -> dict[st
         "decode_tok_s": after / (end - t_all_first),
         "e2e_tok_s": sum(len(r) for r in runs) / (end - t0),
         "ttft_ms_max": 1000 * (t_all_first - t0),
+        "num_tokens": sum(len(r) for r in runs),
     }
 
 
