@@ -126,6 +126,7 @@ class FakeBackend:
     vocab_size: int = 49152
     is_unavailable: bool = False
     fail_after: int | None = None  # raise BackendFailedError before delta k
+    stall_before: int | None = None  # never yield delta k: wait there until the stream is closed
     delay_s: float = 0.0
     seen: list[GenerateInput] = field(default_factory=list)
     closed_early: list[str] = field(default_factory=list)
@@ -137,6 +138,7 @@ class FakeBackend:
         self.script = lambda request: []
         self.is_unavailable = False
         self.fail_after = None
+        self.stall_before = None
         self.delay_s = 0.0
         self.seen.clear()
         self.closed_early.clear()
@@ -157,6 +159,8 @@ class FakeBackend:
             for position, delta in enumerate(self.script(request)):
                 if self.fail_after is not None and position == self.fail_after:
                     raise BackendFailedError("worker crashed (fake)")
+                if position == self.stall_before:
+                    await asyncio.Event().wait()  # only closing the stream (an abort) ends this
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield delta

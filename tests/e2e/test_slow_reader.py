@@ -1,6 +1,6 @@
 """A client that stops reading a stream, on the real stack: once one write waited past
 `limits.stream_send_timeout_ms`, the codec counts the client as gone, the request is aborted on the
-worker and its KV blocks are freed, long before the request would have finished on its own.
+worker and its KV blocks are freed, before the request would have finished on its own.
 
 Loopback makes this easy to get wrong: the kernel absorbs megabytes for a silent client (it autotunes
 the server's send buffer from loopback's 64 KiB MSS), more than a few thousand small chunks, so the
@@ -8,10 +8,9 @@ request could finish before any write blocks and the test would prove nothing. H
 1. the silent client caps its MSS and its receive buffer before connecting (tests/silent_client.py),
    which keeps the connection's buffers to tens of KiB beside uvicorn's 64 KiB transport buffer;
 2. each event is fat (20 top logprobs, over 1 KB), so those buffers fill within some 100 tokens;
-3. the assertions do not rest on timing alone: the codec's access log must say 499
-   `client_stopped_reading` with fewer tokens than asked for, and the worker must reach no running
-   request and no active KV block within half the time the whole generation takes at the rate
-   measured on this very stack.
+3. the assertions rest on counts, not on timing: the codec's access log must say 499
+   `client_stopped_reading`, and the worker must count exactly one more aborted request, fewer tokens
+   generated than asked for, and no running request or active KV block left.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 SEND_TIMEOUT_MS = 1000
 MAX_TOKENS = 3000
 STEP_TIMEOUT_MS = 2000  # the default; the request timeout must cover it × max_output_tokens
-NUM_PROBE_TOKENS = 32
+ABORT_DEADLINE_S = 120.0  # a generous bound on the whole wait; nothing asserts how fast it went
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -64,16 +63,6 @@ def chat_body(model: str, max_tokens: int, *, stream: bool) -> dict[str, object]
     }
 
 
-def seconds_per_token(stack: RunningStack, model: str) -> float:
-    """Decode time per token of this request shape on this stack (prefill included: an overestimate)."""
-    body = chat_body(model, NUM_PROBE_TOKENS, stream=False)
-    started = time.monotonic()
-    reply = httpx.post(f"{stack.base_url}{CHAT_PATH}", json=body, timeout=120)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == NUM_PROBE_TOKENS
-    return (time.monotonic() - started) / NUM_PROBE_TOKENS
-
-
 def access_lines(stack: RunningStack) -> list[dict[str, Any]]:
     """The codec's access-log lines (its log is JSON lines)."""
     lines = []
@@ -95,21 +84,28 @@ def poll(condition: Any, deadline: float, what: str) -> float:
 
 def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(slow_stack: RunningStack) -> None:
     model = httpx.get(f"{slow_stack.base_url}/v1/models").json()["data"][0]["id"]
-    full_generation_s = MAX_TOKENS * seconds_per_token(slow_stack, model)
-    assert worker_load(slow_stack).running == 0
+    before = worker_load(slow_stack)
+    assert before.running == 0
     started = time.monotonic()
-    deadline = started + full_generation_s / 2
+    deadline = started + ABORT_DEADLINE_S
     with open_silent_stream(slow_stack.base_url, CHAT_PATH, chat_body(model, MAX_TOKENS, stream=True)):
         poll(lambda: worker_load(slow_stack).running == 1, deadline, "the request to run")
 
         def is_aborted() -> bool:
             load = worker_load(slow_stack)
-            return load.running == 0 and load.waiting == 0 and load.kv_blocks.active == 0
+            return load.requests_aborted_total > before.requests_aborted_total and (
+                load.running == load.waiting == load.kv_blocks.active == 0
+            )
 
         freed_s = poll(is_aborted, deadline, "the request to be aborted and its blocks freed") - started
-        poll(lambda: len(access_lines(slow_stack)) == 2, deadline, "the access-log line")
-    assert SEND_TIMEOUT_MS / 1000 <= freed_s < full_generation_s / 2, (freed_s, full_generation_s)
+        poll(lambda: len(access_lines(slow_stack)) == 1, deadline, "the access-log line")
+    assert freed_s >= SEND_TIMEOUT_MS / 1000  # one write waited the whole send timeout first
+    after = worker_load(slow_stack)
+    assert after.requests_aborted_total == before.requests_aborted_total + 1
+    num_generated = after.generation_tokens_total - before.generation_tokens_total
     line = access_lines(slow_stack)[-1]
     assert (line["status"], line["http_status"], line["outcome"]) == (499, 200, "client_stopped_reading")
-    assert 0 < line["completion_tokens"] < MAX_TOKENS
+    # Cut off: the worker stopped short of the tokens asked for, having made at least those the codec
+    # counted as it streamed them.
+    assert 0 < line["completion_tokens"] <= num_generated < MAX_TOKENS, (line, num_generated)
     assert "client stopped reading" in slow_stack.procs[-1].log()

@@ -131,9 +131,10 @@ def test_kv_transfer_runs_over_mutual_tls(tmp_path: Path) -> None:
         wait_serving_tls(router_address, certs, router)
         with secure_channel(router_address, certs) as channel:
             status = worker_pb2_grpc.RouterStub(channel)
-            for _ in range(100):
-                if sum(r.ready for r in status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas) == 2:
-                    break
+            deadline = time.monotonic() + 30
+            while sum(r.ready for r in status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas) < 2:
+                if time.monotonic() > deadline:
+                    pytest.fail("the router did not see both workers ready over TLS within 30 s")
                 time.sleep(0.1)
             params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
             request = pb.GenerateRequest(

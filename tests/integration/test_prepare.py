@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -106,10 +105,10 @@ def test_corrupt_gguf_raises_corrupt_and_creates_nothing(tmp_path: Path, kind: s
     else:
         _write_tail_truncated_gguf(bad)
     out_dir = tmp_path / "out" / "model"
-    started = time.perf_counter()
-    with pytest.raises(CorruptModelError, match=r"bad\.gguf"):
+    # Refused by the up-front check, with its own message, before the conversion began: the conversion
+    # would first have created `out`, for its staging directory beside `out/model`.
+    with pytest.raises(CorruptModelError, match=r"bad\.gguf.* (does not parse|is truncated or empty)"):
         prepare_from_gguf(bad, out_dir)
-    assert time.perf_counter() - started < 5.0
     assert not out_dir.exists()
     assert not (tmp_path / "out").exists()
 

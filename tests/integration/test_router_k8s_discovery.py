@@ -8,12 +8,14 @@ down). No request fails at any point, and after the drain only decode-1 gets req
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from services.common.manifest import load_verified_manifest
@@ -106,7 +108,9 @@ class Cluster:
         self.put_endpoints([slice_endpoint(self.addresses["decode-0"], "decode-0")])
         kubeconfig = self.api.write_kubeconfig(tmp / "kubeconfig", namespace=NAMESPACE)
         self.router_address = f"127.0.0.1:{free_port()}"
+        self.router_metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
         router = ["router", "--port", self.router_address.split(":")[1], "--discovery", "kubernetes"]
+        router += ["--metrics-port", self.router_metrics_url.split(":")[2].split("/")[0]]
         router += ["--selector", SELECTOR, "--kubeconfig", str(kubeconfig)]
         router += ["--model-fingerprint", load_verified_manifest(model_dir).model_fingerprint]
         self.router = Proc(router, env, tmp / "router.log")
@@ -122,6 +126,14 @@ class Cluster:
         """The router's replicas: name -> ready (takes new requests)."""
         stub = worker_pb2_grpc.RouterStub(self.router_channel)
         return {r.name: r.ready for r in stub.Replicas(pb.ReplicasRequest(), metadata=MD).replicas}
+
+    def in_flight(self, pod: str) -> int:
+        """Requests the router sent to `pod` and has not seen finish (its own count, from /metrics)."""
+        text = httpx.get(self.router_metrics_url, timeout=5).text
+        pattern = r'^kvrelay_router_replica_in_flight\{replica="' + re.escape(pod) + r'"[^}]*\} (\S+)$'
+        found = re.search(pattern, text, re.MULTILINE)
+        assert found is not None, f"no in-flight gauge for {pod} in the router's metrics"
+        return int(float(found.group(1)))
 
     def load(self, pod: str) -> pb.LoadResponse:
         with grpc.insecure_channel(self.addresses[pod]) as channel:
@@ -179,7 +191,9 @@ def test_scaling_the_endpoint_slice_adds_and_drains_replicas_under_traffic(clust
         )
         cluster.put_endpoints([terminating, slice_endpoint(cluster.addresses["decode-1"], "decode-1")])
         eventually(lambda: cluster.replicas().get("decode-0") is False, "decode-0 draining")
-        time.sleep(0.1)  # a request routed just before the change reaches the worker
+        # A short request routed to decode-0 just before the change may not have reached it yet. Once
+        # only the long request is left in flight there, every request routed to it has been counted.
+        eventually(lambda: cluster.in_flight("decode-0") <= 1, "decode-0's short requests to finish")
         drained = cluster.load("decode-0").requests_total
         cluster.put_endpoints([slice_endpoint(cluster.addresses["decode-1"], "decode-1")])
         eventually(

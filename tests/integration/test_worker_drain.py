@@ -80,7 +80,8 @@ def test_sigterm_under_load_fails_nothing_and_gets_no_new_work(tmp_path: Path) -
             thread.start()
         load = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(addresses[0]))
         deadline = time.monotonic() + 60
-        while load.Load(pb.LoadRequest(), metadata=MD).running == 0 and time.monotonic() < deadline:
+        while load.Load(pb.LoadRequest(), metadata=MD).running == 0:  # SIGTERM it while it has work
+            assert time.monotonic() < deadline, "no request reached the first worker within 60 s"
             time.sleep(0.05)
         draining_total = load.Load(pb.LoadRequest(), metadata=MD).requests_total
         workers[0].popen.send_signal(signal.SIGTERM)

@@ -255,11 +255,40 @@ def test_a_step_longer_than_the_timeout_aborts_the_request(slow_codec: Codec, st
     assert_all_given_back(slow_codec)
 
 
-def test_steps_within_the_timeout_are_fine(slow_codec: Codec) -> None:
-    slow_codec.fake.delay_s = 0.05
-    with slow_codec.client("b") as b:
-        assert b.post("/v1/chat/completions", json=CHAT).status_code == 200
-    assert slow_codec.metric("kvrelay_step_timeouts_total") == 0
+PATIENT_STEP_TIMEOUT_MS = 1000
+NUM_PATIENT_STEPS = 12  # of 100 ms each: the whole request takes longer than one step timeout
+
+
+@pytest.fixture
+def patient_codec(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path) -> Iterator[Codec]:
+    """A step timeout ten times each step: a loaded machine does not push a step past it."""
+    yield from start_codec(
+        model_dir,
+        tokenizer,
+        tmp_path,
+        limits={"step_timeout_ms": PATIENT_STEP_TIMEOUT_MS},
+        quotas={"default_tokens_per_minute": 10**6},
+    )
+
+
+def test_steps_within_the_timeout_are_fine_however_long_the_request(
+    patient_codec: Codec, tokenizer: Tokenizer
+) -> None:
+    """The timeout is per step, not per request: steps well within it add up to more than it."""
+    patient_codec.fake.script = scripted([tokenizer.encode(" one" * (NUM_PATIENT_STEPS - 1))])
+    patient_codec.fake.delay_s = PATIENT_STEP_TIMEOUT_MS / 1000 / 10
+    started = time.monotonic()
+    with patient_codec.client("b") as b:
+        response = b.post("/v1/chat/completions", json={**CHAT, "max_tokens": NUM_PATIENT_STEPS + 4})
+    assert time.monotonic() - started >= PATIENT_STEP_TIMEOUT_MS / 1000  # longer than one step timeout
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (
+        " one" * (NUM_PATIENT_STEPS - 1),
+        "stop",
+    )
+    assert patient_codec.fake.completed == [patient_codec.fake.seen[0].request_id]
+    assert patient_codec.metric("kvrelay_step_timeouts_total") == 0
 
 
 # --- public gRPC ----------------------------------------------------------------------------------------

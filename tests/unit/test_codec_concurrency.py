@@ -222,7 +222,10 @@ async def test_release_is_idempotent_and_the_wait_is_reported() -> None:
     first = await limiter.acquire("a")
     assert first.waited_s is None
     waiter = asyncio.create_task(limiter.acquire("a"))
-    await asyncio.sleep(0.02)
+    async with asyncio.timeout(5):
+        while limiter.num_waiting == 0:  # until the waiter is queued
+            await asyncio.sleep(0)
+    await asyncio.sleep(0.02)  # the wait to be reported (at least this long)
     first.release()
     first.release()
     second = await waiter

@@ -199,25 +199,49 @@ async def test_redis_reservations_from_many_clients_admit_exactly_the_limit(redi
             await s.aclose()
 
 
+async def redis_now_ms(client: aioredis.Redis) -> int:
+    seconds, micros = await client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 async def test_redis_window_moves_on_with_redis_time(redis_prefix: str) -> None:
-    store = RedisQuotaStore.from_url(REDIS_URL, key_prefix=redis_prefix, window_s=1.0)
+    """The wait a denial names is computed on Redis's clock, and once Redis's clock has moved on by it
+    the tenant is admitted again. Checked against Redis TIME read around the calls, not against how
+    long the calls took: two admissions then a denial, all in one 1 s bucket."""
+    window_ms = 1000
+    store = RedisQuotaStore.from_url(REDIS_URL, key_prefix=redis_prefix, window_s=window_ms / 1000)
+    client = aioredis.Redis.from_url(REDIS_URL)
     try:
-        # Start just after a bucket boundary, so the two reservations land in one bucket.
-        await asyncio.sleep(1.0 - (time.time() % 1.0) + 0.02)
-        assert isinstance(await store.reserve("a", [rpm(2)], 1), Reservation)
-        assert isinstance(await store.reserve("a", [rpm(2)], 1), Reservation)
-        denial = await store.reserve("a", [rpm(2)], 1)
+        for attempt in range(10):  # a fresh tenant per attempt, until one attempt fits in one bucket
+            tenant = f"t{attempt}"
+            start_ms = await redis_now_ms(client)
+            admitted = [await store.reserve(tenant, [rpm(2, tenant)], 1) for _ in range(2)]
+            denial = await store.reserve(tenant, [rpm(2, tenant)], 1)
+            end_ms = await redis_now_ms(client)
+            if start_ms // window_ms == end_ms // window_ms:
+                break
+        else:
+            pytest.fail("ten attempts in a row straddled a bucket boundary of Redis time")
+        assert all(isinstance(r, Reservation) for r in admitted)
         assert isinstance(denial, Denial) and denial.retry_after_s is not None
-        assert 0.4 < denial.retry_after_s <= 2.0
-        await asyncio.sleep(denial.retry_after_s + 0.05)
-        assert isinstance(await store.reserve("a", [rpm(2)], 1), Reservation)
-        client = aioredis.Redis.from_url(REDIS_URL)
-        try:
-            ttl_ms = await client.pttl(store.key(rpm(2).counter))
-        finally:
-            await client.aclose()
-        assert 0 < ttl_ms <= 2000  # counters expire after two windows
+        # Two in the current bucket, limit 2: room for one more once the bucket is the previous one and
+        # has decayed to half, at 1.5 windows past the bucket's start on Redis's clock. The denial came
+        # between start_ms and end_ms, so the wait it names lies between these two.
+        room_at_ms = start_ms - start_ms % window_ms + 1.5 * window_ms
+        retry_after_ms = denial.retry_after_s * 1000
+        assert room_at_ms - end_ms - 1 <= retry_after_ms <= room_at_ms - start_ms + 1, (denial, start_ms)
+        again = await store.reserve(tenant, [rpm(2, tenant)], 1)
+        if await redis_now_ms(client) < room_at_ms:  # certainly asked before the room came back
+            assert isinstance(again, Denial)
+        deadline = time.monotonic() + 10
+        while await redis_now_ms(client) < room_at_ms:  # wait for Redis's clock, not ours
+            assert time.monotonic() < deadline, "Redis TIME did not reach the named wait within 10 s"
+            await asyncio.sleep(0.02)
+        assert isinstance(await store.reserve(tenant, [rpm(2, tenant)], 1), Reservation)
+        ttl_ms = await client.pttl(store.key(rpm(2, tenant).counter))
+        assert 0 < ttl_ms <= 2 * window_ms  # counters expire after two windows
     finally:
+        await client.aclose()
         await store.aclose()
 
 
@@ -300,21 +324,43 @@ async def test_redis_down_fails_open_admitting_and_counting() -> None:
         await quotas.aclose()
 
 
+def counting_connection(attempts: list[str]) -> type[aioredis.Connection]:
+    """A redis-py connection class that records each attempt to open a socket."""
+
+    class CountingConnection(aioredis.Connection):
+        async def _connect(self) -> None:
+            attempts.append(f"{self.host}:{self.port}")
+            await super()._connect()
+
+    return CountingConnection
+
+
 async def test_redis_down_fails_closed_with_503_and_retries_only_after_an_interval() -> None:
     metrics = LimitsMetrics()
-    store = RedisQuotaStore.from_url(BOGUS_REDIS_URL, key_prefix="{unused}:", retry_interval_s=30.0)
+    attempts: list[str] = []
+    clock = FakeClock(100.0)
+    client = aioredis.Redis.from_url(
+        BOGUS_REDIS_URL, connection_class=counting_connection(attempts), socket_connect_timeout=1.0
+    )
+    store = RedisQuotaStore(client, key_prefix="{unused}:", retry_interval_s=30.0, clock=clock)
     quotas = Quotas(config(backend="redis", fail_open=False, default_requests_per_minute=5), store, metrics)
     try:
         with pytest.raises(QuotaUnavailableError) as caught:
             await quotas.reserve("a", 10)
         assert caught.value.wire_error().status == 503
         assert caught.value.headers["Retry-After"] == "1"
-        started = time.monotonic()
+        assert attempts, "the first reservation never tried to reach Redis"
+        num_attempts = len(attempts)
+        clock.now += 29.0
         with pytest.raises(QuotaUnavailableError):
             await quotas.reserve("a", 10)  # cooling down: refused without another connection attempt
-        assert time.monotonic() - started < 0.05
+        assert len(attempts) == num_attempts, attempts
         assert metrics.store_errors.labels(operation="reserve", outcome="refused")._value.get() == 2
         assert metrics.rejections.labels(tenant="a", reason="quota_store_down")._value.get() == 2
+        clock.now += 1.0  # the interval is over: the next reservation tries Redis again
+        with pytest.raises(QuotaUnavailableError):
+            await quotas.reserve("a", 10)
+        assert len(attempts) > num_attempts
         assert metrics.open_reservations._value.get() == 0
     finally:
         await quotas.aclose()

@@ -141,7 +141,7 @@ def test_a_client_that_stops_reading_is_aborted_and_buffers_stay_bounded(
     tracemalloc.start()
     try:
         with open_silent_stream(base_url, CHAT_PATH, chat_body(MAX_TOKENS)) as sock:
-            wait_for(lambda: fake.closed_s is not None, 60.0, "the backend stream to be closed")
+            wait_for(lambda: fake.closed_s is not None, 60.0, "the send timeout to close the backend stream")
             _, peak_bytes = tracemalloc.get_traced_memory()
             bound = max_absorbed_events(sock)
     finally:
@@ -150,12 +150,12 @@ def test_a_client_that_stops_reading_is_aborted_and_buffers_stay_bounded(
     # Pulled only as fast as the socket took events: no queue in the codec drained the backend ahead.
     assert fake.num_produced <= min(bound, MAX_TOKENS // 10), (fake.num_produced, bound)
     assert peak_bytes < MEMORY_BOUND, peak_bytes
-    # The decisive check: nothing was pulled while the last write waited (a queue between the backend
-    # and the socket would have kept pulling until the abort), and the write was given up after about
-    # the timeout.
+    # The decisive check: nothing was pulled while the last write waited, for at least the send
+    # timeout (a queue between the backend and the socket would have kept pulling until the abort).
+    # What ended the stream is the send timeout, not anything else: the access log and warning below.
     assert fake.closed_s is not None
     stalled_s = fake.closed_s - fake.last_produced_s
-    assert SEND_TIMEOUT_MS / 1000 * 0.9 <= stalled_s < SEND_TIMEOUT_MS / 1000 + 5.0, stalled_s
+    assert stalled_s >= SEND_TIMEOUT_MS / 1000 * 0.9, stalled_s
     wait_for(lambda: requests_counted(base_url, 499), 5.0, "the 499 in the metrics")
 
     def access_lines() -> list[dict[str, object]]:

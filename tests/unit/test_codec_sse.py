@@ -83,11 +83,13 @@ async def test_failure_after_the_first_byte_is_one_error_event_then_the_end() ->
 
 async def test_disconnect_stops_a_waiting_stream_and_closes_it() -> None:
     closed: list[bool] = []
+    waiting = anyio.Event()
 
     async def events() -> AsyncIterator[bytes]:
         try:
             yield encode_event({"n": 1})
-            await anyio.sleep(30)  # waiting on the backend for the next token
+            waiting.set()
+            await anyio.sleep_forever()  # waiting on the backend for a next token that never comes
             yield encode_event({"n": 2})
         finally:
             closed.append(True)
@@ -96,7 +98,7 @@ async def test_disconnect_stops_a_waiting_stream_and_closes_it() -> None:
     with anyio.fail_after(5):
         async with anyio.create_task_group() as group:
             group.start_soon(run, harness, events())
-            await anyio.sleep(0.05)
+            await waiting.wait()  # the first event was sent; the stream waits for the next
             harness.disconnect.set()
     assert harness.bodies() == [b'data: {"n":1}\n\n']
     assert closed == [True]

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import time
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -298,14 +298,16 @@ async def test_short_message_raises(peer: Peer, receiver: TorchReceiver) -> None
 
 
 async def test_missing_tensor_times_out_and_the_pair_recovers(peer: Peer) -> None:
+    """The receiver's own deadline (2 s here, not the 15 s of any other wait) ends the wait for the
+    tensor that never comes: gloo reports how long it was given, and that is what was left of 2 s."""
     receiver = TorchReceiver(timeout_s=2.0, host="127.0.0.1")
     try:
         async with peer.streams():
             await peer.transfer(receiver, Spec(seed=40))
-            started = time.monotonic()
-            with pytest.raises(KVTransferFault):
+            with pytest.raises(KVTransferFault, match=r"recv of chunk 2 .*Timed out waiting") as caught:
                 await peer.transfer(receiver, Spec(seed=41, mode="stall"))
-            assert time.monotonic() - started < 2.0 + 3.0
+            given_ms = re.search(r"Timed out waiting (\d+)ms", str(caught.value))
+            assert given_ms is not None and int(given_ms.group(1)) <= 2000, str(caught.value)
             kv, _ = await peer.transfer(receiver, Spec(seed=42))
         assert torch.equal(bits(kv), bits(Spec(seed=42).export().kv))
     finally:
@@ -313,14 +315,16 @@ async def test_missing_tensor_times_out_and_the_pair_recovers(peer: Peer) -> Non
 
 
 async def test_peer_death_raises_promptly(receiver: TorchReceiver) -> None:
+    """The dead peer's closed connection ends the wait, not the receiver's deadline: the fault is the
+    connection error, and never a timeout."""
     doomed = Peer()
     try:
         async with doomed.streams():
             await doomed.transfer(receiver, Spec(seed=50))
-            started = time.monotonic()
-            with pytest.raises(KVTransferFault, match=r"closed|reset|peer"):
+            with pytest.raises(KVTransferFault, match=r"recv of chunk 0 .*(closed|reset)") as caught:
                 await doomed.transfer(receiver, Spec(seed=51, mode="die"))
-            assert time.monotonic() - started < STEP_TIMEOUT_S / 2
+            assert "timed out" not in str(caught.value).lower(), str(caught.value)
+            assert "deadline" not in str(caught.value), str(caught.value)
     finally:
         doomed.stop()
 

@@ -117,8 +117,16 @@ def test_the_stand_in_matches_equality_selectors() -> None:
 
 async def test_static_discovery_reports_its_list_once_and_runs_until_cancelled() -> None:
     seen: list[list[Endpoint]] = []
-    task = asyncio.create_task(StaticDiscovery(["h:1", "h:2"]).run(seen.append))
-    await asyncio.sleep(0.05)
+    reported = asyncio.Event()
+
+    def on_change(endpoints: list[Endpoint]) -> None:
+        seen.append(endpoints)
+        reported.set()
+
+    task = asyncio.create_task(StaticDiscovery(["h:1", "h:2"]).run(on_change))
+    await asyncio.wait_for(reported.wait(), 5.0)
+    for _ in range(20):  # loop turns in which a second report, or the end of `run`, would show
+        await asyncio.sleep(0)
     assert seen == [[Endpoint("h:1", "worker-0"), Endpoint("h:2", "worker-1")]]
     assert not task.done()
     task.cancel()
