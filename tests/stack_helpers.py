@@ -13,6 +13,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KVRELAY = [sys.executable, "-m", "services.cli.main"]
 
@@ -77,3 +80,17 @@ def wait_serving(address: str, proc: Proc, timeout: float = 120.0) -> None:
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{address} not serving after {timeout}s:\n{proc.log()[-3000:]}")
+
+
+def wait_idle(
+    stub: worker_pb2_grpc.WorkerStub, metadata: tuple[tuple[str, str], ...], timeout_s: float = 60.0
+) -> pb.LoadResponse:
+    """The worker's Load once nothing runs, waits or holds a KV block; AssertionError if that never comes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = stub.Load(pb.LoadRequest(), metadata=metadata, timeout=10)
+        if load.running == load.waiting == load.kv_blocks.active == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the worker still holds work {timeout_s} s on: {load}")
+        time.sleep(0.05)

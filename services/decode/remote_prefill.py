@@ -45,7 +45,8 @@ class _Transfer:
     first: TokenLogprob | None = None
     num_cached_tokens: int = 0  # prompt tokens P served from its prefix cache (it computed the rest)
     num_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # Prefill call start -> KV installed (P's queue and prefill included)
+    link_seconds: float = 0.0  # header received -> KV installed: the KV's shipping alone
     mode: pb.PrefillMode = pb.PREFILL_MODE_FALLBACK
 
 
@@ -110,6 +111,7 @@ class RemotePrefill:
                     response.prefill_mode = transfer.mode
                     response.kv_transfer_bytes = transfer.num_bytes
                     response.kv_transfer_seconds = transfer.seconds
+                    response.kv_link_seconds = transfer.link_seconds
                 yield response
         finally:
             if not finished:
@@ -157,6 +159,7 @@ class RemotePrefill:
             responses = aiter(call)
             try:
                 header = await self._header(responses)
+                header_at = time.monotonic()
             except TRANSFER_FAILURES as exc:
                 self._fall_back(request_id, remote.address, transfer, exc)
                 return
@@ -174,7 +177,8 @@ class RemotePrefill:
                 return
             try:
                 await self._receive(header, responses, request_id, prefill_request, transfer)
-                transfer.seconds = time.monotonic() - started
+                installed_at = time.monotonic()
+                transfer.seconds, transfer.link_seconds = installed_at - started, installed_at - header_at
                 self.counters.observe_transfer(transfer.seconds)
                 transfer.trace.transfer_ended("remote", transfer.num_bytes, transfer.num_cached_tokens)
             except TRANSFER_FAILURES as exc:

@@ -263,8 +263,10 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         route.num_decode_tokens = route.num_prefill_tokens = 0
 
     def _learn_bandwidth(self, response: pb.GenerateResponse) -> None:
-        if response.prefill_mode == pb.PREFILL_MODE_REMOTE and response.kv_transfer_seconds > 0:
-            rate = response.kv_transfer_bytes / response.kv_transfer_seconds
+        # Over the shipping time alone: kv_transfer_seconds also holds P's prefill, which the remote estimate
+        # already counts, so dividing by it would take a busy prefill replica for a slow link.
+        if response.prefill_mode == pb.PREFILL_MODE_REMOTE and response.kv_link_seconds > 0:
+            rate = response.kv_transfer_bytes / response.kv_link_seconds
             self.transfer_bytes_per_s += BANDWIDTH_EWMA * (rate - self.transfer_bytes_per_s)
 
     def _log_route(self, request_id: str, route: _Route) -> None:

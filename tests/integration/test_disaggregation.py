@@ -24,7 +24,7 @@ from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.reference_prompts import long_text
-from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.stack_helpers import Proc, free_port, stack_env, wait_idle, wait_serving
 
 TOKEN = "pd-test-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
@@ -146,6 +146,8 @@ def test_remote_prefill_matches_colocated_token_for_token(pd: PDStack, prompts: 
             want, _ = generate(colocated, rid, prompts[name])
             assert got == want, f"{rid}: disaggregated tokens differ from colocated"
             assert last.prefill_mode == pb.PREFILL_MODE_REMOTE, f"{rid}: fell back or ran locally"
+            # The shipping alone (what the router learns bandwidth from) is part of the whole transfer.
+            assert 0 < last.kv_link_seconds < last.kv_transfer_seconds, rid
             sent_tokens = last.kv_transfer_bytes // (30 * 2 * 3 * 64 * 4)  # SmolLM2: fp32 KV per token
             if turn == "cold":  # D may hold the chat template's shared opening already
                 assert 0 < len(prompts[name]) - sent_tokens < 48 or sent_tokens == len(prompts[name])
@@ -161,17 +163,6 @@ def test_seeded_sampling_is_the_same_colocated_and_disaggregated(
     got, last = generate(pd.stub("router"), "seeded", prompts["chat-short"], **sampling)
     want, _ = generate(pd.stub("colocated"), "seeded", prompts["chat-short"], **sampling)
     assert got == want and last.prefill_mode == pb.PREFILL_MODE_REMOTE
-
-
-def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 20.0) -> pb.LoadResponse:
-    deadline = time.monotonic() + timeout
-    load = pb.LoadResponse()
-    while time.monotonic() < deadline:
-        load = stub.Load(pb.LoadRequest(), metadata=MD)
-        if load.running == load.waiting == load.kv_blocks.active == 0:
-            return load
-        time.sleep(0.1)
-    raise AssertionError(f"not idle after {timeout}s: {load}")
 
 
 STORM_TOKENS = 400
@@ -204,7 +195,7 @@ def wait_in_prefill(prefill: worker_pb2_grpc.WorkerStub, num: int, idle: pb.Load
 
 def test_cancel_storm_frees_everything_on_both_sides(pd: PDStack, prompts: dict[str, list[int]]) -> None:
     router, prefill, decode = pd.stub("router"), pd.stub("prefill"), pd.stub("decode")
-    p0, d0 = wait_idle(prefill), wait_idle(decode)
+    p0, d0 = wait_idle(prefill, MD), wait_idle(decode, MD)
     long_prompt = prompts["raw-long"]
     # A token of its own right after BOS: no prefix cache holds a block of it, so P computes every token.
     calls = [
@@ -214,7 +205,7 @@ def test_cancel_storm_frees_everything_on_both_sides(pd: PDStack, prompts: dict[
     wait_in_prefill(prefill, NUM_IN_PREFILL, p0)
     for call in calls:
         call.cancel()
-    p1, d1 = wait_idle(prefill), wait_idle(decode)
+    p1, d1 = wait_idle(prefill, MD), wait_idle(decode, MD)
     assert p1.requests_aborted_total - p0.requests_aborted_total == NUM_IN_PREFILL, "P aborted them"
     assert p1.generation_tokens_total == p0.generation_tokens_total, "none got as far as a first token"
     assert d1.requests_aborted_total - d0.requests_aborted_total == NUM_IN_PREFILL, "D freed the reservations"
@@ -228,7 +219,7 @@ def test_cancel_storm_frees_everything_on_both_sides(pd: PDStack, prompts: dict[
         assert next(call).token_ids
     for call in calls:
         call.cancel()
-    p2, d2 = wait_idle(prefill), wait_idle(decode)
+    p2, d2 = wait_idle(prefill, MD), wait_idle(decode, MD)
     assert p2.requests_aborted_total == p1.requests_aborted_total, "P had handed every one to D"
     assert d2.requests_aborted_total - d1.requests_aborted_total == NUM_IN_DECODE, "D aborted every one"
     num_decoded = d2.generation_tokens_total - d1.generation_tokens_total
@@ -268,7 +259,7 @@ def test_killing_prefill_under_load_fails_no_request(
     assert pb.PREFILL_MODE_FALLBACK in modes, "P died mid-prefill: some request must have been recomputed"
     assert set(modes) <= {pb.PREFILL_MODE_REMOTE, pb.PREFILL_MODE_FALLBACK, pb.PREFILL_MODE_LOCAL}
     assert all(len(r[0]) == 48 for r in results.values() if not isinstance(r, BaseException))
-    after = wait_idle(decode)
+    after = wait_idle(decode, MD)
     assert after.prefill_fallbacks_total > before.prefill_fallbacks_total
     pd.wait_prefill_ejected()  # then new requests are prefilled on D
     tokens, last = generate(router, "after-kill", prompts["chat-short"])

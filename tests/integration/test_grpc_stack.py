@@ -16,7 +16,7 @@ from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.engine_helpers import generate, make_engine
-from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.stack_helpers import Proc, free_port, stack_env, wait_idle, wait_serving
 from tests.tiny_model import make_tiny_llama
 
 TOKEN = "test-internal-token"
@@ -98,18 +98,6 @@ def request(rid: str, prompt: list[int], **sampling: object) -> pb.GenerateReque
     return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
 
 
-def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout: float = 60.0) -> pb.LoadResponse:
-    """The worker's Load once nothing runs, waits or holds a block (fails the test if that never comes)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = stub.Load(pb.LoadRequest(), metadata=MD)
-        if load.running == 0 and load.waiting == 0 and load.kv_blocks.active == 0:
-            return load
-        if time.monotonic() > deadline:
-            pytest.fail(f"the worker did not go idle within {timeout} s: {load}")
-        time.sleep(0.05)
-
-
 def assert_cut_short(before: pb.LoadResponse, after: pb.LoadResponse, max_tokens: int) -> int:
     """Exactly one request was aborted on the worker between the two Loads, long before max_tokens."""
     num_aborted = after.requests_aborted_total - before.requests_aborted_total
@@ -145,9 +133,10 @@ def test_router_streams_the_engines_greedy_tokens(stack: Stack, tiny_dirs: list[
 
 
 def test_router_never_uses_a_worker_with_another_model_fingerprint(stack: Stack) -> None:
-    for _ in range(100):  # the router names the stray worker once it has probed it while serving
-        if "replica serves another model" in stack.router.log():
-            break
+    deadline = time.monotonic() + 30  # the router names the stray worker once it has probed it
+    while "replica serves another model" not in stack.router.log():
+        if time.monotonic() > deadline:
+            pytest.fail("the router did not report the worker with another fingerprint within 30 s")
         time.sleep(0.1)
     replicas = worker_pb2_grpc.RouterStub(stack.channel).Replicas(pb.ReplicasRequest(), metadata=MD).replicas
     assert [r.ready for r in replicas] == [True, False]
@@ -160,18 +149,18 @@ def test_router_never_uses_a_worker_with_another_model_fingerprint(stack: Stack)
 
 def test_cancelled_stream_stops_the_request_and_frees_every_block(stack: Stack) -> None:
     worker = stack.worker_stub(0)
-    before = wait_idle(worker)
+    before = wait_idle(worker, MD)
     prompt = list(range(2, 10))
     max_tokens = CONTEXT - len(prompt)
     call = stack.stub.Generate(request("c1", prompt, max_tokens=max_tokens), metadata=MD)
     assert next(call).token_ids  # the request is generating on the worker
     call.cancel()
-    assert_cut_short(before, wait_idle(worker), max_tokens)
+    assert_cut_short(before, wait_idle(worker, MD), max_tokens)
 
 
 def test_deadline_expiry_stops_the_request_and_frees_blocks(stack: Stack) -> None:
     worker = stack.worker_stub(0)
-    before = wait_idle(worker)
+    before = wait_idle(worker, MD)
     prompt = list(range(2, 10))
     max_tokens = CONTEXT - len(prompt)
     received = 0
@@ -180,7 +169,7 @@ def test_deadline_expiry_stops_the_request_and_frees_blocks(stack: Stack) -> Non
         for response in call:
             received += len(response.token_ids)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    generated = assert_cut_short(before, wait_idle(worker), max_tokens)
+    generated = assert_cut_short(before, wait_idle(worker, MD), max_tokens)
     assert received <= generated
 
 

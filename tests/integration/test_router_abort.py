@@ -17,24 +17,13 @@ from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.router_fakes import FakeReplica, start_fake
-from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.stack_helpers import Proc, free_port, stack_env, wait_idle, wait_serving
 from tests.tiny_model import make_tiny_llama
 
 TOKEN = "router-abort-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 MAX_TOKENS = 4000
 PROMPT = [(i * 5) % 120 + 2 for i in range(40)]
-
-
-def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 20.0) -> pb.LoadResponse:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = stub.Load(pb.LoadRequest(), metadata=MD)
-        if load.running == load.waiting == load.kv_blocks.active == 0:
-            return load
-        if time.monotonic() > deadline:
-            pytest.fail(f"the worker still holds the request {timeout_s} s after the abort: {load}")
-        time.sleep(0.05)
 
 
 def wait_ready(channel: grpc.Channel, num_replicas: int, timeout_s: float = 20.0) -> None:
@@ -80,7 +69,7 @@ def run_and_abort(
     worker: worker_pb2_grpc.WorkerStub, router: worker_pb2_grpc.WorkerStub, channel: grpc.Channel
 ) -> None:
     wait_ready(channel, 2)
-    before = wait_idle(worker)
+    before = wait_idle(worker, MD)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     request = pb.GenerateRequest(
         request_id="abort-me", prompt_token_ids=PROMPT, sampling=sampling_to_proto(params)
@@ -104,7 +93,7 @@ def run_and_abort(
     finish = pb.FinishReason.Name(rest[-1].finish_reason) if rest else "no final message"
     assert finish == "FINISH_REASON_ABORT", f"the stream ended with {finish} after {num_tokens} tokens"
     assert num_tokens < MAX_TOKENS // 4, f"{num_tokens} tokens: the abort did not stop the decode"
-    after = wait_idle(worker)
+    after = wait_idle(worker, MD)
     assert after.kv_blocks.free + after.kv_blocks.cached == after.kv_blocks.total
     assert after.requests_aborted_total == before.requests_aborted_total + 1
     produced = after.generation_tokens_total - before.generation_tokens_total

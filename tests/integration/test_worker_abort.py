@@ -5,7 +5,6 @@ every abort to every replica, so that case is the common one)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -15,7 +14,7 @@ from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
-from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.stack_helpers import Proc, free_port, stack_env, wait_idle, wait_serving
 from tests.tiny_model import make_tiny_llama
 
 TOKEN = "abort-token"
@@ -50,21 +49,10 @@ def start(stub: worker_pb2_grpc.WorkerStub, request_id: str) -> grpc.Future:
     return stub.Generate(request, metadata=MD, timeout=30)
 
 
-def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 20.0) -> pb.LoadResponse:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = stub.Load(pb.LoadRequest(), metadata=MD)
-        if load.running == load.waiting == load.kv_blocks.active == 0:
-            return load
-        if time.monotonic() > deadline:
-            pytest.fail(f"the worker still holds the request {timeout_s} s after the abort: {load}")
-        time.sleep(0.05)
-
-
 def test_abort_by_id_ends_the_stream_with_abort_and_frees_its_blocks(
     worker: worker_pb2_grpc.WorkerStub,
 ) -> None:
-    before = wait_idle(worker)
+    before = wait_idle(worker, MD)
     call = start(worker, "to-abort")
     responses = iter(call)
     first = next(responses)
@@ -85,7 +73,7 @@ def test_abort_by_id_ends_the_stream_with_abort_and_frees_its_blocks(
     assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in rest[:-1])
     num_tokens = len(first.token_ids) + sum(len(r.token_ids) for r in rest)
     assert num_tokens < MAX_TOKENS // 4, f"{num_tokens} tokens: the abort did not stop the decode"
-    after = wait_idle(worker)
+    after = wait_idle(worker, MD)
     assert after.kv_blocks.free + after.kv_blocks.cached == after.kv_blocks.total
     assert after.requests_aborted_total == before.requests_aborted_total + 1
     produced = after.generation_tokens_total - before.generation_tokens_total
@@ -93,7 +81,7 @@ def test_abort_by_id_ends_the_stream_with_abort_and_frees_its_blocks(
 
 
 def test_abort_of_an_unknown_id_is_harmless(worker: worker_pb2_grpc.WorkerStub) -> None:
-    wait_idle(worker)
+    wait_idle(worker, MD)
     call = start(worker, "keeps-running")
     responses = iter(call)
     next(responses)
@@ -104,4 +92,4 @@ def test_abort_of_an_unknown_id_is_harmless(worker: worker_pb2_grpc.WorkerStub) 
         assert response.token_ids and response.finish_reason == pb.FINISH_REASON_UNSPECIFIED
     assert worker.Load(pb.LoadRequest(), metadata=MD).running == 1
     call.cancel()
-    wait_idle(worker)
+    wait_idle(worker, MD)

@@ -1,6 +1,7 @@
 """The router's KV transfer bandwidth estimate, through a real in-process router over fake replicas (one
 prefill, one busy decode): it starts at `router.transfer_bytes_per_s`, moves as a moving average toward
-each remote prefill's measured rate (bytes over seconds on the stream's last message), ignores local
+each remote prefill's measured link rate (bytes over the shipping seconds, P's prefill left out, on the
+stream's last message), ignores local
 prefills, and feeds the conditional disaggregation decision: slow transfers turn remote into local."""
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ KV_BYTES_PER_TOKEN = 10_000  # the prompt's KV: 1e7 bytes
 # estimate, so remote is cheaper while the estimate is above 1e7 bytes/s.
 ROUTING = RouterConfig(prefill_tokens_per_s=1000.0, per_running_seq_ms=2.0, transfer_bytes_per_s=2e7)
 SLOW_TRANSFER = pb.GenerateResponse(
-    prefill_mode=pb.PREFILL_MODE_REMOTE, kv_transfer_bytes=10_000_000, kv_transfer_seconds=100.0
+    prefill_mode=pb.PREFILL_MODE_REMOTE,
+    kv_transfer_bytes=10_000_000,
+    kv_transfer_seconds=101.0,  # P's 1 s prefill, then the shipping
+    kv_link_seconds=100.0,
 )  # 1e5 bytes/s
+# A fast link behind a slow prefill: 9.9 s of P's queue and prefill, then 0.1 s on the wire (1e8 bytes/s).
+BUSY_PREFILL_FAST_LINK = pb.GenerateResponse(
+    prefill_mode=pb.PREFILL_MODE_REMOTE,
+    kv_transfer_bytes=10_000_000,
+    kv_transfer_seconds=10.0,
+    kv_link_seconds=0.1,
+)
 
 
 @pytest.fixture
@@ -94,3 +105,19 @@ async def test_the_estimate_starts_at_the_configured_rate(
         finally:
             await router.close()
         assert decode.replica.generate_calls[-1].remote_prefill.address == shipped
+
+
+async def test_the_estimate_learns_the_link_not_the_prefill_replicas_queue(
+    fakes: tuple[FakeServer, FakeServer], replicas: ReplicaSet
+) -> None:
+    """P's prefill is counted by the remote estimate already; in the bandwidth it would count twice."""
+    _, decode = fakes
+    decode.replica.script = GenerateScript(remote_last=BUSY_PREFILL_FAST_LINK)
+    service = RouterService(replicas, DisaggregationConfig(policy="conditional"), ROUTING)
+    router = await serve_router(service)
+    try:
+        await router.generate(request(0))
+    finally:
+        await router.close()
+    assert decode.replica.generate_calls[-1].remote_prefill.address  # shipped at the configured 2e7
+    assert service.transfer_bytes_per_s == pytest.approx(2e7 + BANDWIDTH_EWMA * (1e8 - 2e7))
