@@ -58,6 +58,13 @@ def test_sigterm_under_load_fails_nothing_and_gets_no_new_work(tmp_path: Path) -
             wait_serving(address, proc)
         channel = grpc.insecure_channel(router_address)
         stub = worker_pb2_grpc.WorkerStub(channel)
+        # The router must know both workers before the drain: a request the draining worker refuses is
+        # retried on the other one, which would otherwise not be there to take it yet.
+        replicas = worker_pb2_grpc.RouterStub(channel)
+        deadline = time.monotonic() + 60
+        while [r.ready for r in replicas.Replicas(pb.ReplicasRequest(), metadata=MD).replicas] != [True] * 2:
+            assert time.monotonic() < deadline, "the router did not see both workers ready within 60 s"
+            time.sleep(0.05)
 
         def client(c: int) -> None:
             i = 0
