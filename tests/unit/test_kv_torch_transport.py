@@ -321,7 +321,8 @@ async def test_peer_death_raises_promptly(receiver: TorchReceiver) -> None:
     try:
         async with doomed.streams():
             await doomed.transfer(receiver, Spec(seed=50))
-            with pytest.raises(KVTransferFault, match=r"recv of chunk 0 .*(closed|reset)") as caught:
+            # Where gloo notices depends on timing (a chunk's recv, or the pair's), the cause does not.
+            with pytest.raises(KVTransferFault, match=r"recv (of chunk \d+|on) .*(closed|reset)") as caught:
                 await doomed.transfer(receiver, Spec(seed=51, mode="die"))
             assert "timed out" not in str(caught.value).lower(), str(caught.value)
             assert "deadline" not in str(caught.value), str(caught.value)
