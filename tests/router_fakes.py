@@ -104,16 +104,22 @@ class FakeServer:
         self.server.stop(0)
 
 
-def start_fake(replica: FakeReplica) -> FakeServer:
-    """`replica` served on a free loopback port, with health "" SERVING."""
+def serve_worker(servicer: worker_pb2_grpc.WorkerServicer) -> tuple[grpc.Server, str]:
+    """Any Worker servicer on a real gRPC server on a free loopback port, with health "" SERVING."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    worker_pb2_grpc.add_WorkerServicer_to_server(replica, server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     checker = health.HealthServicer()
     checker.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
+    return server, address
+
+
+def start_fake(replica: FakeReplica) -> FakeServer:
+    """`replica` served on a free loopback port, with health "" SERVING."""
+    server, address = serve_worker(replica)
     return FakeServer(replica, server, address)
 
 

@@ -94,3 +94,13 @@ def wait_idle(
         if time.monotonic() > deadline:
             raise AssertionError(f"the worker still holds work {timeout_s} s on: {load}")
         time.sleep(0.05)
+
+
+def assert_cut_short(before: pb.LoadResponse, after: pb.LoadResponse, max_tokens: int) -> int:
+    """Exactly one request was aborted on the worker between the two Loads, long before max_tokens."""
+    num_aborted = after.requests_aborted_total - before.requests_aborted_total
+    assert num_aborted == 1, f"the worker aborted {num_aborted} requests, not the one cut short"
+    generated = after.generation_tokens_total - before.generation_tokens_total
+    assert 0 < generated < max_tokens // 4, f"the worker generated {generated} of {max_tokens} tokens"
+    assert after.kv_blocks.active == 0 and after.running == 0
+    return generated

@@ -16,7 +16,7 @@ from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.engine_helpers import generate, make_engine
-from tests.stack_helpers import Proc, free_port, stack_env, wait_idle, wait_serving
+from tests.stack_helpers import Proc, assert_cut_short, free_port, stack_env, wait_idle, wait_serving
 from tests.tiny_model import make_tiny_llama
 
 TOKEN = "test-internal-token"
@@ -96,16 +96,6 @@ def stack(tiny_dirs: list[Path], tmp_path_factory: pytest.TempPathFactory) -> It
 def request(rid: str, prompt: list[int], **sampling: object) -> pb.GenerateRequest:
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, **sampling})  # type: ignore[arg-type]
     return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
-
-
-def assert_cut_short(before: pb.LoadResponse, after: pb.LoadResponse, max_tokens: int) -> int:
-    """Exactly one request was aborted on the worker between the two Loads, long before max_tokens."""
-    num_aborted = after.requests_aborted_total - before.requests_aborted_total
-    assert num_aborted == 1, f"the worker aborted {num_aborted} requests, not the one cut short"
-    generated = after.generation_tokens_total - before.generation_tokens_total
-    assert 0 < generated < max_tokens // 4, f"the worker generated {generated} of {max_tokens} tokens"
-    assert after.kv_blocks.active == 0 and after.running == 0
-    return generated
 
 
 def test_internal_calls_need_the_token_and_health_does_not(stack: Stack) -> None:

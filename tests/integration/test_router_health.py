@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.manifest import load_verified_manifest
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.router_fakes import serve_worker
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
@@ -54,15 +53,7 @@ class FakeReplica(worker_pb2_grpc.WorkerServicer):
 
 
 def start_fake(fingerprint: str, mode: Mode) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    worker_pb2_grpc.add_WorkerServicer_to_server(FakeReplica(fingerprint, mode), server)
-    checker = health.HealthServicer()
-    checker.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
-    return server, address
+    return serve_worker(FakeReplica(fingerprint, mode))
 
 
 @pytest.fixture(scope="module")
