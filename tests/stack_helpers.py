@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -80,6 +81,15 @@ def wait_serving(address: str, proc: Proc, timeout: float = 120.0) -> None:
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{address} not serving after {timeout}s:\n{proc.log()[-3000:]}")
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls `condition()` until it holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.05)
 
 
 def wait_idle(

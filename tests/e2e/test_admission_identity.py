@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import pytest
 from services.codec.auth import read_keys_file
 from tests.e2e.conftest import RunningStack, start_stack
 from tests.reference_prompts import long_text
-from tests.stack_helpers import KVRELAY, REPO_ROOT
+from tests.stack_helpers import KVRELAY, REPO_ROOT, wait_until
 
 pytestmark = pytest.mark.model
 
@@ -77,15 +76,6 @@ def keyed(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     finally:
         for proc in reversed(stack.procs):
             proc.stop()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls `condition()` until it holds; fails, naming `what`, after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def test_the_keys_file_holds_no_key(keyed: KeyedStack) -> None:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.e2e.conftest import TOKEN, RunningStack, start_stack, wait_http_ready, worker_load
-from tests.stack_helpers import KVRELAY, REPO_ROOT, Proc, free_port, stack_env
+from tests.stack_helpers import KVRELAY, REPO_ROOT, Proc, free_port, stack_env, wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -96,20 +95,13 @@ def limited(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc.stop()
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def assert_nothing_left(limited: Limited) -> None:
     def drained() -> bool:
         load = worker_load(limited.stack)
         return load.running == 0 and load.waiting == 0 and load.kv_blocks.active == 0
 
-    wait_for(drained)
-    wait_for(lambda: limited.metric("kvrelay_admission_running") == 0)
+    wait_until(drained, 30.0, "the worker drained")
+    wait_until(lambda: limited.metric("kvrelay_admission_running") == 0, 30.0, "every admission slot freed")
     assert limited.metric("kvrelay_admission_queued") == 0
     assert limited.metric("kvrelay_quota_open_reservations") == 0
     assert limited.metric("kvrelay_quota_reserved_tokens") == 0
@@ -148,7 +140,7 @@ def test_503_and_529_when_the_queue_is_full(limited: Limited) -> None:
 
         waiter = threading.Thread(target=queued)
         waiter.start()
-        wait_for(lambda: limited.metric("kvrelay_admission_queued") == 1, timeout_s=10)
+        wait_until(lambda: limited.metric("kvrelay_admission_queued") == 1, 10.0, "one request queued")
         with limited.client("dave") as dave:
             openai_refusal = dave.post("/v1/chat/completions", json=chat())
             anthropic_refusal = dave.post("/v1/messages", json=chat())

@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from tests.integration.test_up import UpStack, start_up, status_json
 from tests.reference_prompts import long_text
+from tests.stack_helpers import wait_until
 
 SYSTEM = "You are a careful assistant for a travel agency. Answer briefly and politely.\n" + long_text(6, 3)
 NUM_SESSIONS = 12
@@ -67,7 +68,14 @@ def test_follow_up_turns_hit_their_cache_and_load_stays_balanced(two_workers: Up
     for usage in sessions:
         for (previous_prompt, _), (_, cached) in itertools.pairwise(usage):
             assert cached >= 0.8 * previous_prompt, f"a follow-up found only {cached} of {previous_prompt}"
-    after = worker_requests(two_workers)
-    served = [a - b for a, b in zip(after, before, strict=True)]
-    assert len(served) == 2 and sum(served) == NUM_SESSIONS * NUM_TURNS
-    assert max(served) <= 2 * min(served), f"unbalanced: {served}"
+
+    # The router reports each replica's load from its last probe: wait for the probes to count every turn.
+    def served() -> list[int]:
+        return [a - b for a, b in zip(worker_requests(two_workers), before, strict=True)]
+
+    wait_until(
+        lambda: sum(served()) >= NUM_SESSIONS * NUM_TURNS, 30.0, "the router's probes counting every turn"
+    )
+    served_now = served()
+    assert len(served_now) == 2 and sum(served_now) == NUM_SESSIONS * NUM_TURNS
+    assert max(served_now) <= 2 * min(served_now), f"unbalanced: {served_now}"
