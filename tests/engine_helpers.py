@@ -28,16 +28,22 @@ def make_engine(
     return EngineCore.from_config(cfg)
 
 
-def run_to_completion(engine: EngineCore, check_invariants: bool = True) -> dict[str, list[int]]:
-    """Step until idle; return output token IDs keyed by request ID (`id#i` for samples i > 0)."""
-    outputs: dict[str, list[int]] = {}
+def run_samples(engine: EngineCore, check_invariants: bool = True) -> dict[tuple[str, int], list[int]]:
+    """Step until idle; return output token IDs keyed by (request ID, sample index)."""
+    outputs: dict[tuple[str, int], list[int]] = {}
     while engine.has_work():
         for out in engine.step():
-            key = out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"
-            outputs.setdefault(key, []).extend(out.new_token_ids)
+            outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
         if check_invariants:
             engine.check_invariants()
     return outputs
+
+
+def run_to_completion(engine: EngineCore, check_invariants: bool = True) -> dict[str, list[int]]:
+    """Step until idle; return output token IDs keyed by request ID (requests of one sample each)."""
+    samples = run_samples(engine, check_invariants)
+    assert all(index == 0 for _, index in samples), "requests with n > 1: use run_samples"
+    return {request_id: tokens for (request_id, _), tokens in samples.items()}
 
 
 def generate(

@@ -7,8 +7,9 @@ On SIGINT or SIGTERM it stops the children in reverse order (codec, router, work
 period, SIGKILLs whatever is left, and exits 0. A second signal skips the rest of the grace period.
 Once up, a service with a liveness probe that fails several probes in a row is killed, and so restarted.
 
-Children inherit stdout and stderr (they log JSON lines of their own) and get /dev/null as stdin. Their
-own process groups keep a terminal's Ctrl-C from reaching them directly: the supervisor orders the stop.
+Children inherit stdout and stderr (they log JSON lines of their own), or append both to their spec's
+`log_path` when it has one, and get /dev/null as stdin. Their own process groups keep a terminal's
+Ctrl-C from reaching them directly: the supervisor orders the stop.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from services.cli.probes import HealthCheck
@@ -66,7 +68,8 @@ class RestartPolicy:
 @dataclass(frozen=True)
 class ServiceSpec:
     """One child: `env` is its whole environment (nothing is inherited implicitly). `health` says it is
-    ready; `liveness`, probed only once it has been ready, says it is not stuck."""
+    ready; `liveness`, probed only once it has been ready, says it is not stuck. With `log_path`, the
+    child's stdout and stderr are appended to that file (so a restart keeps the earlier output)."""
 
     name: str
     role: Role
@@ -75,6 +78,7 @@ class ServiceSpec:
     port: int
     health: HealthCheck
     liveness: HealthCheck | None = None
+    log_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -255,9 +259,16 @@ class Supervisor:
     def _spawn(self, child: _Child) -> None:
         spec = child.spec
         try:
-            child.process = subprocess.Popen(
-                list(spec.argv), env=dict(spec.env), stdin=subprocess.DEVNULL, start_new_session=True
-            )
+            with contextlib.ExitStack() as files:
+                out = files.enter_context(spec.log_path.open("ab")) if spec.log_path is not None else None
+                child.process = subprocess.Popen(
+                    list(spec.argv),
+                    env=dict(spec.env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out is not None else None,
+                    start_new_session=True,
+                )
         except OSError as exc:
             raise SupervisorError(f"cannot start service {spec.name}: {exc}") from None
         child.started_at = time.monotonic()

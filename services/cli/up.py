@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         plan = StackPlan(
             host=host,
             ports=ports,
-            config_path=_write_config(Path(tmp), cfg, model_dir, host, ports.codec),
+            config_path=write_stack_config(Path(tmp), cfg, model_dir, host, ports.codec),
             model_dir=model_dir,
             threads_per_worker=threads_per_worker(available_cores(), len(workers)),
             env=child_env(os.environ, secrets.token_urlsafe(32)),
@@ -347,7 +347,9 @@ def _supervise(plan: StackPlan, grace_s: float) -> int:
     return supervisor.run()
 
 
-def _write_config(directory: Path, cfg: KvrelayConfig, model_dir: Path, host: str, port: int) -> Path:
+def write_stack_config(directory: Path, cfg: KvrelayConfig, model_dir: Path, host: str, port: int) -> Path:
+    """`cfg` with the stack's model directory and public address, as `directory`/config.yaml: the one
+    config every child reads."""
     model = cfg.model.model_copy(update={"path": str(model_dir)})
     server = cfg.server.model_copy(update={"host": host, "port": port})
     path = directory / "config.yaml"

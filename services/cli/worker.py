@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.decode.server import WorkerOptions, serve
+    from services.worker.server import WorkerOptions, serve
 
     configure_logging(f"worker:{args.name}")
     cfg = load_config(args.config)

@@ -43,11 +43,20 @@ class ModelConfig(_Section):
 class EngineConfig(_Section):
     block_size: int = Field(default=16, ge=1, le=256)
     kv_cache_memory_mb: int = Field(default=512, gt=0)
-    max_num_batched_tokens: int = Field(default=256, gt=0)
+    # A step's token budget; unset: 256 on a CPU, 2048 on a GPU (services/engine/device.py).
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0)
+    # auto: the first visible CUDA device, else the CPU (services/engine/device.py).
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    # On a GPU: this engine's share of the device's total memory (weights, activations, KV together);
+    # workers sharing one device may take at most 0.95 between them. Unused on a CPU.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=0.95)
+    # auto: the C kernels on a CPU (ops/kernels.c), torch-native paged attention on a GPU. torch: the
+    # torch-native path everywhere (what a GPU runs, here on the CPU: the oracle and a debugging switch).
+    attention: Literal["auto", "torch"] = "auto"
 
     @field_validator("block_size")
     @classmethod
@@ -204,7 +213,7 @@ def _cross_field_problems(cfg: KvrelayConfig) -> list[str]:
             f"limits.max_output_tokens ({limits.max_output_tokens}): a request that leaves its output "
             "length unset would ask for more than the maximum"
         )
-    if engine.max_num_batched_tokens < engine.block_size:
+    if engine.max_num_batched_tokens is not None and engine.max_num_batched_tokens < engine.block_size:
         problems.append(
             f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens}) is below "
             f"engine.block_size ({engine.block_size}): a step could not fill even one block"

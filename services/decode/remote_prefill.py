@@ -24,16 +24,16 @@ from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.common.proto_convert import FINISH_FROM_PROTO, sampling_from_proto
-from services.decode.outputs import output_to_proto
-from services.decode.request_trace import RequestTrace
 from services.engine.async_engine import AsyncEngine
 from services.engine.request import FinishReason, TokenLogprob
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
-from services.prefill.prefill_service import TransferCounters
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.worker.counters import TransferCounters
+from services.worker.outputs import output_to_proto
+from services.worker.request_trace import RequestTrace
 
 log = logging.getLogger(__name__)
 TRANSFER_FAILURES = (grpc.aio.AioRpcError, KVTransferFault, StopAsyncIteration)
@@ -142,6 +142,7 @@ class RemotePrefill:
             num_skip_tokens=num_skip,
             model_fingerprint=self.model_fingerprint,
             kv_dtype=dtype_name(self.layout.dtype),
+            kv_device=self.layout.device,
             transport=remote.transport or "grpc",
         )
         receiver = self.receivers.get(prefill_request.transport)

@@ -14,11 +14,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from services.common.sampling import SamplingParams
-from services.engine.core import EngineCore, EngineStats, KVExport, RequestOutput
+from services.engine.core import EngineCore, EngineStats, RequestOutput
+from services.engine.kv_export import KVExport
 from services.engine.request import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException]
-    seq_ids: list[str] = field(default_factory=list)
+    in_engine: bool = False  # its request reached the core (added, or its blocks reserved)
 
     def deliver(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
@@ -101,7 +102,7 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, observer: StepObserver | None = None) -> None:
         self.core = core
         self.observer = observer
-        core.pool.record_events = True
+        core.enable_kv_events()
         self._kv_subscribers: list[_KVSubscriber] = []
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -110,7 +111,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stats = core.stats()
         self._undelivered: list[RequestOutput] = []
-        core.runner.before_forward = self._deliver_outputs
+        core.set_before_forward(self._deliver_outputs)
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
@@ -204,8 +205,7 @@ class AsyncEngine:
             except Exception as exc:  # a typed error for the caller, not the loop
                 loop.call_soon_threadsafe(_settle, result, None, exc)
                 return
-            if num_skip is not None:
-                stream.seq_ids = [request_id]
+            stream.in_engine = num_skip is not None
             loop.call_soon_threadsafe(_settle, result, num_skip, None)
 
         self._submit(reserve)
@@ -304,11 +304,13 @@ class AsyncEngine:
         if stream is None:  # the caller went away before its request reached the engine
             return
         try:
-            stream.seq_ids = self.core.add_request(
+            self.core.add_request(
                 request_id, prompt, params, priority=priority, extra_key=key, export_kv_from=export_kv_from
             )
         except Exception as exc:  # a typed error for the caller, not the loop
             stream.deliver(exc)
+            return
+        stream.in_engine = True
 
     def _deliver_errors(self, request_id: str, command: Callable[..., None], *args: object) -> None:
         try:
@@ -319,7 +321,7 @@ class AsyncEngine:
                 stream.deliver(exc)
 
     def _subscribe(self, subscriber: _KVSubscriber) -> None:
-        subscriber.deliver(KVEventBatch(True, self.core.pool.cached_hashes(), []))
+        subscriber.deliver(KVEventBatch(True, self.core.cached_block_hashes(), []))
         self._kv_subscribers.append(subscriber)
 
     def _unsubscribe(self, subscriber: _KVSubscriber) -> None:
@@ -327,7 +329,7 @@ class AsyncEngine:
             self._kv_subscribers.remove(subscriber)
 
     def _publish_kv_events(self) -> None:
-        events = self.core.pool.take_events()
+        events = self.core.take_kv_events()
         if not events or not self._kv_subscribers:
             return
         batch = KVEventBatch(
@@ -344,20 +346,12 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
-        seq_ids = stream.seq_ids if stream else []
-        if not seq_ids:  # a closed stream, or one not in the engine yet: abort what runs under the ID
-            stream = None
-            seq_ids = [s for s in self.core.scheduler.requests if s.partition("#")[0] == request_id]
-        live = [self.core.scheduler.requests[s] for s in seq_ids if s in self.core.scheduler.requests]
-        self.core.abort(seq_ids)
-        if stream is not None and live:  # aborted by ID (Worker.Abort) while its stream is still read
+        ends = self.core.abort_request(request_id)  # whatever runs under the ID
+        # A stream whose request is in the engine and still read (Worker.Abort by ID) gets the ends; a
+        # closed stream, or one whose request never reached the engine, gets nothing.
+        if stream is not None and stream.in_engine and ends:
             self._deliver_outputs()  # the last step's tokens first, then the end
-            for request in live:
-                _, _, index = request.request_id.partition("#")
-                end = RequestOutput(
-                    request_id, int(index) if index else 0, [], None, FinishReason.ABORT,
-                    request.num_prompt_tokens, request.num_cached_tokens,
-                )  # fmt: skip
+            for end in ends:
                 stream.deliver(end)
 
     def _run(self) -> None:
@@ -397,8 +391,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _observe(self, seconds: float, outputs: list[RequestOutput]) -> None:
-        queue_times = self.core.scheduler.queue_times
-        self.core.scheduler.queue_times = []
+        queue_times = self.core.take_queue_times()
         if self.observer is not None:
             self.observer.observe_step(seconds, len(outputs), queue_times)
 

@@ -2,7 +2,9 @@
 
 The cache of one layer is a flat array of slots, `[num_slots, 2, num_kv_heads, head_dim]`, where slot
 `block_id * block_size + offset` holds the K (index 0) and V (index 1) of one token. A step's tokens are
-laid out flat: every decode row (one query token each) first, then every prefill chunk.
+laid out flat: every decode row (one query token each) first, then every prefill chunk. The metadata is
+built from Python lists on the host and lands on the cache's device in one copy per tensor; nothing in a
+layer builds tensors on the host.
 
 Two fast paths read this metadata. Small steps go to the C kernel (`ops.cpu.CpuKernels.paged_attention`),
 which reads the cache through `block_tables` per token. Large steps take `paged_attention` below: each
@@ -52,6 +54,23 @@ class GroupMetadata:
     query_index: torch.Tensor | None  # [num_rows, max_q] index into the group's flat tokens
     query_valid: torch.Tensor | None  # [num_rows, max_q] False on padded query slots
 
+    def to(self, device: torch.device) -> GroupMetadata:
+        if device.type == "cpu":
+            return self
+        move = _move(device)
+        return GroupMetadata(
+            self.num_rows, move(self.gather_slots), _opt(self.mask, move), _opt(self.query_index, move),
+            _opt(self.query_valid, move),
+        )  # fmt: skip
+
+
+def _move(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.pin_memory().to(device, non_blocking=True)
+
+
+def _opt(tensor: torch.Tensor | None, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return None if tensor is None else move(tensor)
+
 
 @dataclass
 class AttentionMetadata:
@@ -65,6 +84,7 @@ class AttentionMetadata:
     token_rows: torch.Tensor  # [num_tokens] index of each token's row in block_tables
     block_tables: torch.Tensor  # [num_rows, max_blocks] block ids, padding -> 0
     max_context_len: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _groups: dict[tuple[bool, int | None], GroupMetadata] = field(default_factory=dict, repr=False)
     _fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -93,7 +113,7 @@ class AttentionMetadata:
             return None
         key = (is_decode, window)
         if key not in self._groups:
-            self._groups[key] = _group(rows, self.block_size, is_decode, window)
+            self._groups[key] = _group(rows, self.block_size, is_decode, window).to(self.device)
         return self._groups[key]
 
     def fresh_prompt_mask(self, window: int) -> torch.Tensor | None:
@@ -103,16 +123,21 @@ class AttentionMetadata:
         if num_tokens <= window:
             return None
         if window not in self._fresh_masks:
-            pos = torch.arange(num_tokens)  # [num_tokens]
+            pos = torch.arange(num_tokens, device=self.device)  # [num_tokens]
             offset = pos[:, None] - pos[None, :]  # [num_tokens (query), num_tokens (key)]
             self._fresh_masks[window] = (offset >= 0) & (offset < window)
         return self._fresh_masks[window]
 
 
 def build_metadata(
-    decode_rows: Sequence[RowSpec], prefill_rows: Sequence[RowSpec], block_size: int
+    decode_rows: Sequence[RowSpec],
+    prefill_rows: Sequence[RowSpec],
+    block_size: int,
+    device: torch.device | None = None,
 ) -> AttentionMetadata:
-    """Metadata for one step. Rows must be given in the flat token order: decode rows, then prefill."""
+    """Metadata for one step on `device` (the CPU by default). Rows must be given in the flat token order:
+    decode rows, then prefill."""
+    device = device or torch.device("cpu")
     rows = (*decode_rows, *prefill_rows)
     slot_mapping: list[int] = []
     positions: list[int] = []
@@ -130,12 +155,22 @@ def build_metadata(
         decode_rows=decode_rows,
         prefill_rows=prefill_rows,
         block_size=block_size,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),  # [num_tokens]
-        positions=torch.tensor(positions, dtype=torch.long),  # [num_tokens]
-        token_rows=torch.tensor(token_rows, dtype=torch.long),  # [num_tokens]
-        block_tables=torch.tensor(tables, dtype=torch.long),  # [num_rows, max_blocks]
+        slot_mapping=to_device(slot_mapping, device),  # [num_tokens]
+        positions=to_device(positions, device),  # [num_tokens]
+        token_rows=to_device(token_rows, device),  # [num_tokens]
+        block_tables=to_device(tables, device),  # [num_rows, max_blocks]
         max_context_len=max(r.context_len for r in rows),
+        device=device,
     )
+
+
+def to_device(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `values` on `device`: through pinned host memory, so the copy to a GPU is
+    queued without waiting (the step's one wait is for its sampled tokens)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _table(block_ids: Sequence[int], num_blocks: int) -> list[int]:
@@ -291,8 +326,8 @@ def reference_attention(
         q_row = q[offset : offset + row.num_new_tokens].double()  # [q_len, num_heads, head_dim]
         factor = head_dim**-0.5 if scale is None else scale
         scores = torch.einsum("qhd,khd->hqk", q_row, k) * factor  # [num_heads, q_len, ctx]
-        query_pos = torch.arange(row.start_position, row.context_len)[:, None]  # [q_len, 1]
-        key_pos = torch.arange(row.context_len)[None, :]  # [1, ctx]
+        query_pos = torch.arange(row.start_position, row.context_len, device=q.device)[:, None]  # [q_len, 1]
+        key_pos = torch.arange(row.context_len, device=q.device)[None, :]  # [1, ctx]
         allowed = key_pos <= query_pos  # [q_len, ctx]
         if window is not None:
             allowed &= key_pos > query_pos - window

@@ -60,6 +60,10 @@ class BlockPool:
         self._queue = OrderedDict((i, None) for i in range(self.num_blocks))
         self._cached = {}
 
+    def enable_events(self) -> None:
+        """Record a KVEvent for every hash stored or evicted from now on (read them with `take_events`)."""
+        self.record_events = True
+
     @property
     def num_available(self) -> int:
         """Blocks that can be handed out now (free plus evictable cached)."""

@@ -1,18 +1,20 @@
 """The engine core: a plain synchronous loop. Token IDs and sampling parameters in, token IDs out.
 
 step(): schedule -> run the model -> append sampled tokens, check stops, free finished requests.
+The core is handed its parts (a scheduler over a KV cache manager and block pool, and a `Runner`);
+`from_config` builds them from a model directory (factory.py), tests put a fake runner in.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from services.common.block_hash import BlockHasher, root_hash
-from services.common.config import EngineConfig, KvrelayConfig
+from services.common.config import KvrelayConfig
 from services.common.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -20,26 +22,16 @@ from services.common.errors import (
     InvalidRequestError,
     TokenOutOfRangeError,
 )
+from services.common.manifest import Manifest
 from services.common.sampling import SamplingParams
-from services.engine.block_pool import BlockPool, BlockPoolStats
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
-from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.loader import LoadedModel, load_model
+from services.engine.block_pool import BlockPoolStats, KVEvent
+from services.engine.kv_export import KVExport, KVTransferError
+from services.engine.models.config import ModelConfig
 from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
-from services.engine.runner import ModelRunner
+from services.engine.runner_protocol import Runner
 from services.engine.scheduler import Scheduler
 
-
-class KVTransferError(InvalidRequestError):
-    """Received KV that does not fit the reservation it is meant for (wrong start or token count)."""
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """The KV of prompt positions start_token.. of one request, every layer: what a prefill replica ships."""
-
-    start_token: int
-    kv: torch.Tensor  # [num_layers, num_tokens, 2, num_kv_heads, head_dim]
+__all__ = ["EngineCore", "EngineStats", "KVExport", "KVTransferError", "RequestOutput"]
 
 
 @dataclass(frozen=True)
@@ -74,34 +66,52 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, engine: EngineConfig, batch_size_limit: int) -> None:
-        cfg = loaded.config
-        self.model_config = cfg
-        self.manifest = loaded.manifest
-        self.block_size = engine.block_size
-        self.max_model_len = min(
-            engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-        spec = KVCacheSpec.for_model(cfg, engine.block_size, loaded.model.kv_dtype)
-        self.num_blocks = plan_num_blocks(spec, engine.kv_cache_memory_mb, self.max_model_len)
-        check_host_memory(loaded.weight_bytes, self.num_blocks * spec.bytes_per_block)
-        self.pool = BlockPool(self.num_blocks, enable_caching=engine.enable_prefix_caching)
-        self.prefix_stats = PrefixCacheStats()
-        self.kv = KVCacheManager(self.pool, engine.block_size, self.prefix_stats, window=cfg.kv_window)
-        self.scheduler = Scheduler(self.kv, engine.max_num_batched_tokens, batch_size_limit)
-        caches = allocate_kv_caches(spec, self.num_blocks, torch.device("cpu"))
-        self.runner = ModelRunner(loaded.model, caches, engine.block_size, cfg.vocab_size, engine.seed)
-        self.root_hash = root_hash(loaded.manifest.model_fingerprint)
-        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+    """Requests in, one output per sampled token out. Not thread-safe: one thread drives it."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        manifest: Manifest,
+        scheduler: Scheduler,
+        runner: Runner,
+        *,
+        max_model_len: int,
+    ) -> None:
+        """`scheduler` brings the KV cache manager and block pool it schedules over; `runner` computes
+        steps over KV blocks of the same pool and block size."""
+        self.model_config = model_config
+        self.manifest = manifest
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.pool = scheduler.kv.pool
+        self.prefix_stats = scheduler.kv.prefix_stats
+        self.runner = runner
+        self.block_size = scheduler.kv.block_size
+        self.num_blocks = self.pool.num_blocks
+        self.max_model_len = max_model_len
+        self.root_hash = root_hash(manifest.model_fingerprint)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.num_steps = 0
         self.num_aborted = 0
 
     @classmethod
     def from_config(cls, config: KvrelayConfig) -> EngineCore:
-        if config.engine.num_threads:
-            torch.set_num_threads(config.engine.num_threads)
-        loaded = load_model(config.model.path, config.model.dtype)
-        return cls(loaded, config.engine, config.limits.batch_size_limit)
+        """Load the model `config` names and build the core and its parts for it (factory.py)."""
+        from services.engine.factory import build_core
+
+        return build_core(config)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.runner.weight_dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -127,39 +137,58 @@ class EngineCore:
         extra_key: bytes = b"",
         arrival_time: float | None = None,
         export_kv_from: int | None = None,
-    ) -> list[str]:
-        """Queue a request (n sequences for n > 1). Returns the internal sequence IDs.
+    ) -> None:
+        """Queue a request: n sequences for n > 1, samples 0..n-1 of `request_id`.
 
         With `export_kv_from` (a prefill replica), the request stops after its first token unless that
         token ends it, and its output carries the KV of prompt positions export_kv_from.. ."""
+        samples = self._new_samples(
+            request_id, prompt_token_ids, params, priority, extra_key, arrival_time, export_kv_from
+        )
+        for request in samples:
+            self.scheduler.add(request)
+
+    def _new_samples(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        extra_key: bytes,
+        arrival_time: float | None,
+        export_kv_from: int | None,
+    ) -> list[Request]:
+        """The request's n sequences, checked and not yet queued; sample i > 0 is seeded seed + i."""
         if not request_id:
             raise InvalidRequestError("request_id must not be empty", param="request_id")
         self.validate(prompt_token_ids, params)
         if export_kv_from is not None and (params.n != 1 or not 0 <= export_kv_from < len(prompt_token_ids)):
             raise InvalidRequestError("a remote prefill takes n=1 and a skip inside the prompt", param="n")
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        if any(s in self.scheduler.requests for s in seq_ids):
+        if self.scheduler.live_samples(request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already running")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        for i, seq_id in enumerate(seq_ids):
-            seq_params = (
-                params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % 2**63)
-            )
-            self.scheduler.add(
+        samples = []
+        for index in range(params.n):
+            seed = params.seed
+            if seed is not None and index > 0:
+                sample_params = replace(params, seed=(seed + index) % 2**63)
+            else:
+                sample_params = params
+            samples.append(
                 Request(
-                    request_id=seq_id,
+                    parent_id=request_id,
+                    sample_index=index,
                     prompt_token_ids=list(prompt_token_ids),
-                    params=seq_params,
+                    params=sample_params,
                     block_hasher=BlockHasher(self.root_hash, self.block_size, extra_key),
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     arrival_time=arrival,
-                    group_leader_id=seq_ids[0] if i > 0 else None,
                     max_model_len=self.max_model_len,
                     export_kv_from=export_kv_from,
                 )
             )
-        return seq_ids
+        return samples
 
     def reserve_remote(
         self,
@@ -172,15 +201,12 @@ class EngineCore:
     ) -> int | None:
         """Decode replica: hold blocks for a request whose prompt KV a prefill replica will send.
         Returns how many leading prompt tokens are already cached here (the prefill replica skips
-        sending them), or None when the pool has no room (the caller computes the prompt here)."""
+        sending them), or None when the pool has no room (nothing is held; the caller computes the
+        prompt here)."""
         if params.n != 1:
             raise InvalidRequestError("a remote prefill takes n=1", param="n")
-        self.add_request(request_id, prompt_token_ids, params, priority=priority, extra_key=extra_key)
-        request = self.scheduler.requests[request_id]
-        self.scheduler.waiting.remove(request)
+        [request] = self._new_samples(request_id, prompt_token_ids, params, priority, extra_key, None, None)
         if not self.scheduler.reserve(request):
-            self.scheduler.waiting.append(request)
-            self.scheduler.finish(request, FinishReason.ABORT)
             return None
         return request.num_computed_tokens
 
@@ -209,15 +235,17 @@ class EngineCore:
     def end_reserved(self, request_id: str, reason: FinishReason) -> None:
         """The prefill replica's first token already ended the request: free its reservation. Not an
         abort, so `num_aborted` does not count it."""
-        request = self.scheduler.requests.get(request_id)
-        if request is not None and request.status is RequestStatus.WAITING_FOR_KV:
-            self.scheduler.finish(request, reason)
+        for request in self.scheduler.live_samples(request_id):
+            if request.status is RequestStatus.WAITING_FOR_KV:
+                self.scheduler.finish(request, reason)
 
     def _reserved(self, request_id: str) -> Request:
-        request = self.scheduler.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+        reserved = [
+            r for r in self.scheduler.live_samples(request_id) if r.status is RequestStatus.WAITING_FOR_KV
+        ]
+        if not reserved:
             raise KVTransferError(f"request {request_id!r} holds no KV reservation")
-        return request
+        return reserved[0]
 
     @staticmethod
     def _append_first(request: Request, first: TokenLogprob) -> None:
@@ -225,17 +253,20 @@ class EngineCore:
         if request.params.logprobs is not None:
             request.logprobs.append(first)
 
-    def abort(self, seq_ids: Sequence[str]) -> int:
-        """Abort sequences wherever they are; every block returns to the pool. Returns how many.
-        `num_aborted` counts the requests (all n samples as one) that still had a live sequence."""
-        removed = []
-        for seq_id in seq_ids:
-            request = self.scheduler.requests.get(seq_id)
-            if request is not None:
-                self.scheduler.finish(request, FinishReason.ABORT)
-                removed.append(seq_id)
-        self.num_aborted += len({seq_id.partition("#")[0] for seq_id in removed})
-        return len(removed)
+    def abort(self, request_ids: Sequence[str]) -> int:
+        """Abort every live sample of these requests, wherever it is; every block returns to the pool.
+        Returns how many sequences. `num_aborted` counts the requests that still had a live sample."""
+        return sum(len(self.abort_request(request_id)) for request_id in request_ids)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort every live sample of one request, like `abort`; returns an ABORT output (no new tokens)
+        for each sample that was live, for a caller that still streams them."""
+        samples = self.scheduler.live_samples(request_id)
+        for request in samples:
+            self.scheduler.finish(request, FinishReason.ABORT)
+        if samples:
+            self.num_aborted += 1
+        return [_ended(r, FinishReason.ABORT) for r in samples]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -251,6 +282,10 @@ class EngineCore:
         updates = self.scheduler.update(step, result.sampled)
         return [self._output(u.request, u.token, u.finish_reason) for u in updates]
 
+    def set_before_forward(self, hook: Callable[[], None] | None) -> None:
+        """Call `hook` on the stepping thread right before each forward, once its inputs are built."""
+        self.runner.set_before_forward(hook)
+
     def _export(self, request: Request) -> KVExport:
         """Copy out a prefill-only request's prompt KV, then finish it (its blocks stay cached here)."""
         start = request.export_kv_from or 0
@@ -260,10 +295,9 @@ class EngineCore:
 
     def _output(self, request: Request, sampled: TokenLogprob, reason: FinishReason | None) -> RequestOutput:
         kv = self._export(request) if request.export_kv_from is not None and reason is None else None
-        base_id, _, index = request.request_id.partition("#")
         return RequestOutput(
-            request_id=base_id,
-            index=int(index) if index else 0,
+            request_id=request.parent_id,
+            index=request.sample_index,
             new_token_ids=[sampled.token_id],
             logprobs=[sampled] if request.params.logprobs is not None else None,
             finish_reason=reason,
@@ -271,6 +305,28 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             kv=kv,
         )
+
+    # -- the prefix cache, metrics and checks -----------------------------------------------------
+
+    def enable_kv_events(self) -> None:
+        """Record the prefix cache's stored and evicted block hashes from now on (`take_kv_events`)."""
+        self.pool.enable_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call, oldest first."""
+        return self.pool.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now: a snapshot to start KV events from."""
+        return self.pool.cached_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; False (and nothing dropped) while any request holds blocks."""
+        return self.pool.reset_cache()
+
+    def take_queue_times(self) -> list[float]:
+        """Seconds from arrival to first admission of each request admitted since the last call."""
+        return self.scheduler.take_queue_times()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -288,3 +344,11 @@ class EngineCore:
     def check_invariants(self) -> None:
         """Raise if any block's references disagree with what the live requests hold."""
         self.pool.check_invariants(self.scheduler.held_block_refs())
+
+
+def _ended(request: Request, reason: FinishReason) -> RequestOutput:
+    """An output that only ends a sample: no new tokens."""
+    return RequestOutput(
+        request.parent_id, request.sample_index, [], None, reason, request.num_prompt_tokens,
+        request.num_cached_tokens,
+    )  # fmt: skip

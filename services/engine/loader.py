@@ -1,17 +1,22 @@
-"""Loading a prepared model directory: manifest check, config, safetensors weights, dtype resolution."""
+"""Loading a model: from a prepared directory (manifest check, config, safetensors weights) or from a state
+dict already in memory (a GPU check builds its model on the device); dtype resolution for both."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from services.common.errors import ConfigError, CorruptModelError, ModelNotFoundError
-from services.common.manifest import Manifest, load_verified_manifest
+from services.common.manifest import UNKNOWN_FINGERPRINT, Manifest, load_verified_manifest
 from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM, build_model
 from services.engine.ops.cpu_features import cpu_flags, has_native_bf16_matmul
@@ -29,7 +34,7 @@ class Precision:
     compute: torch.dtype
 
     def describe(self) -> str:
-        names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
         if self.weights == self.compute:
             return names[self.weights]
         return f"{names[self.weights]} weights, {names[self.compute]} compute"
@@ -44,7 +49,11 @@ def resolve_precision(dtype: str, device: str = "cpu", flags: frozenset[str] | N
         return Precision(DTYPES[dtype], DTYPES[dtype])
     if dtype != "auto":
         raise ConfigError(f"model.dtype {dtype!r} is not one of auto, float32, bfloat16")
-    native = device == "cuda" or has_native_bf16_matmul(cpu_flags() if flags is None else flags)
+    if device == "cuda":  # bf16 throughout; fp16 on a GPU without bf16 (before Ampere)
+        no_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+        half = torch.float16 if no_bf16 else torch.bfloat16
+        return Precision(half, half)
+    native = has_native_bf16_matmul(cpu_flags() if flags is None else flags)
     return Precision(torch.bfloat16, torch.bfloat16 if native else torch.float32)
 
 
@@ -57,23 +66,72 @@ class LoadedModel:
     precision: Precision | None = None
 
 
-def load_model(model_dir: str | Path, dtype: str) -> LoadedModel:
-    """Verify the directory against its manifest, then build the model. Nothing loads from a hub."""
+def load_model(
+    model_dir: str | Path, dtype: str, device: torch.device | None = None, *, cpu_kernels: bool = True
+) -> LoadedModel:
+    """Verify the directory against its manifest, then build the model on `device` (the CPU by default).
+    `cpu_kernels=False`: the torch-native path only (`engine.attention: torch`). Nothing loads from a hub."""
+    device = device or torch.device("cpu")
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelNotFoundError(f"model directory {path} does not exist")
     manifest = load_verified_manifest(path, scope="model")
     config = ModelConfig.from_dir(path)
-    precision = resolve_precision(dtype)
+    precision = resolve_precision(dtype, device.type)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
-            loaded = load_file(str(file))
+            loaded = load_file(str(file), device=str(device))
         except (SafetensorError, OSError, ValueError) as exc:
             raise CorruptModelError(f"cannot read weights {file.name}: {exc}") from exc
         weights.update({name: t.to(precision.weights) for name, t in loaded.items()})
         del loaded
-    model = build_model(config, weights, precision.compute)
+    return _build(config, weights, manifest, precision, dtype, cpu_kernels)
+
+
+def load_state_dict(
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    dtype: str = "auto",
+    fingerprint: str | None = None,
+) -> LoadedModel:
+    """A model from a transformers-style config dict and state dict in memory, without a disk round trip.
+
+    The tensors keep their device. A state dict has no files for a manifest to pin, so the model
+    fingerprint (prefix-cache hashes, P/D pairing) is `fingerprint` when given, else a digest of the
+    config and of every tensor's name, shape and dtype: two different random models of one shape share it,
+    so pass a fingerprint wherever replicas built this way must not pair.
+    """
+    model_config = ModelConfig.from_dict(dict(config))
+    device = next(iter(state_dict.values())).device.type if state_dict else "cpu"
+    precision = resolve_precision(dtype, device)
+    weights = {name: t.to(precision.weights) for name, t in state_dict.items()}
+    manifest = Manifest(
+        files={},
+        tokenizer_fingerprint=UNKNOWN_FINGERPRINT,
+        model_fingerprint=fingerprint or _state_dict_digest(config, state_dict),
+        source={"kind": "state_dict"},
+    )
+    return _build(model_config, weights, manifest, precision, dtype)
+
+
+def _state_dict_digest(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256(json.dumps(dict(config), sort_keys=True, default=str).encode())
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    return digest.hexdigest()
+
+
+def _build(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    manifest: Manifest,
+    precision: Precision,
+    dtype: str,
+    cpu_kernels: bool = True,
+) -> LoadedModel:
+    model = build_model(config, weights, precision.compute, cpu_kernels=cpu_kernels)
     elem = torch.empty((), dtype=precision.weights).element_size()
     weight_bytes = getattr(model, "weight_bytes", sum(t.numel() for t in weights.values()) * elem)
     log.info(

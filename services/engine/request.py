@@ -33,19 +33,24 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+# A sequence's key inside the engine: (the caller's request ID, the sample's index among its n).
+SeqId = tuple[str, int]
+
+
 @dataclass
 class Request:
-    """One sequence. The scheduler gives it tokens until `num_computed_tokens` reaches `num_tokens`."""
+    """One sequence: sample `sample_index` of the caller's request `parent_id`. The scheduler gives it
+    tokens until `num_computed_tokens` reaches `num_tokens`."""
 
-    request_id: str
+    parent_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     block_hasher: BlockHasher
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    # Followers of a parallel-sampling group wait until the leader's prompt is cached, so they share it.
-    group_leader_id: str | None = None
+    # Samples 1.. of a parallel-sampling group wait until sample 0's prompt is cached, so they share it.
+    sample_index: int = 0
     max_model_len: int = 0
     # Prefill replica: after the first token, export the KV of prompt positions from here on and stop.
     export_kv_from: int | None = None
@@ -59,11 +64,20 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    _admitted_once: bool = False
+    has_been_admitted: bool = field(default=False, init=False)  # set once, by `record_admission`
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.block_hasher.update(self.token_ids)
+
+    @property
+    def seq_id(self) -> SeqId:
+        return (self.parent_id, self.sample_index)
+
+    @property
+    def group_leader_id(self) -> SeqId | None:
+        """Sample 0 of the same request, for samples 1..; None for sample 0 itself."""
+        return (self.parent_id, 0) if self.sample_index > 0 else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +107,16 @@ class Request:
     def sort_key(self) -> tuple[int, float]:
         """Lower sorts first: higher priority value means served later (like vLLM)."""
         return (self.priority, self.arrival_time)
+
+    def record_admission(self, num_cached_tokens: int) -> bool:
+        """Note the first admission (scheduled, or blocks reserved for remote KV) and how many prompt
+        tokens the prefix cache served then. A readmission after a preemption changes nothing and
+        returns False."""
+        if self.has_been_admitted:
+            return False
+        self.has_been_admitted = True
+        self.num_cached_tokens = num_cached_tokens
+        return True
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -24,7 +24,7 @@ def cos_sin_at(
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
     half = inv_freq.shape[0]
-    signs = torch.cat((-torch.ones(half), torch.ones(half)))  # [head_dim]
+    signs = torch.cat((-torch.ones(half, device=inv_freq.device), torch.ones(half, device=inv_freq.device)))
     return emb.cos().to(dtype).unsqueeze(1), (emb.sin() * signs).to(dtype).unsqueeze(1)
 
 
@@ -35,16 +35,19 @@ def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 
 class RotaryEmbedding:
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, device: torch.device | None = None
+    ) -> None:
+        """Tables built in fp32 on the CPU (the same numbers everywhere), then placed on `device`."""
         inv_freq = inverse_frequencies(head_dim, theta)
         positions = torch.arange(max_positions, dtype=torch.float32)  # [max_positions]
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.half = head_dim // 2
-        self.cos = emb.cos()  # [max_positions, head_dim]
-        self.sin = emb.sin()  # [max_positions, head_dim]
         signs = torch.cat((-torch.ones(self.half), torch.ones(self.half)))  # [head_dim]
-        self.sin_signed = self.sin * signs  # [max_positions, head_dim]
+        self.cos = emb.cos().to(device)  # [max_positions, head_dim]
+        self.sin = emb.sin().to(device)  # [max_positions, head_dim]
+        self.sin_signed = (emb.sin() * signs).to(device)  # [max_positions, head_dim]
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at each position: two [num_tokens, 1, head_dim] tensors."""

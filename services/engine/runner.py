@@ -1,24 +1,22 @@
-"""Turns a scheduler step into tensors, runs the model, and samples. Tensors live here and below."""
+"""Turns a scheduler step into tensors, runs the model, and samples. Tensors live here and below.
+
+`ModelRunner` is the engine's `Runner` (runner_protocol.py) over a real model and its KV cache tensors.
+The step's inputs are built on the host and copied to the cache's device (CPU or CUDA); logits, sampling
+and logprobs stay on the device, and the sampled token IDs coming back are the step's one host wait.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention import RowSpec, build_metadata
+from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.models.registry import CausalLM
-from services.engine.request import Request, TokenLogprob
+from services.engine.request import Request, SeqId, TokenLogprob
+from services.engine.runner_protocol import StepResult
 from services.engine.sampler import SamplingBatch, SamplingRow, sample
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
-
-
-@dataclass
-class StepResult:
-    """The token sampled for each chunk that reached the end of its known tokens."""
-
-    sampled: dict[str, TokenLogprob]
 
 
 class ModelRunner:
@@ -29,17 +27,34 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=kv_caches[0].device).manual_seed(seed)
         # Called on the engine thread right before each forward, once the step's inputs are built: the
         # async engine hands out the previous step's outputs there, so the service threads do their
         # Python work while the forward runs without the GIL instead of stalling the step's set-up.
-        self.before_forward: Callable[[], None] | None = None
+        self._before_forward: Callable[[], None] | None = None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_caches[0].device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_caches[0].dtype
+
+    def set_before_forward(self, hook: Callable[[], None] | None) -> None:
+        self._before_forward = hook
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         decode = [c for c in step.chunks if c.num_new_tokens == 1]
         prefill = [c for c in step.chunks if c.num_new_tokens > 1]
         ordered = decode + prefill
-        meta = build_metadata([_row(c) for c in decode], [_row(c) for c in prefill], self.block_size)
+        meta = build_metadata(
+            [_row(c) for c in decode], [_row(c) for c in prefill], self.block_size, self.device
+        )
         token_ids: list[int] = []
         logits_indices: list[int] = []
         sampling_chunks: list[ScheduledChunk] = []
@@ -51,10 +66,10 @@ class ModelRunner:
             if chunk.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_chunks.append(chunk)
-        token_tensor = torch.tensor(token_ids, dtype=torch.long)  # [num_tokens]
-        indices = torch.tensor(logits_indices, dtype=torch.long)  # [num_samples]
-        if self.before_forward is not None:
-            self.before_forward()
+        token_tensor = to_device(token_ids, self.device)  # [num_tokens]
+        indices = to_device(logits_indices, self.device)  # [num_samples]
+        if self._before_forward is not None:
+            self._before_forward()
         logits = self.model.forward(
             token_tensor,
             self.kv_caches,
@@ -74,15 +89,18 @@ class ModelRunner:
         """Store `kv` [num_layers, num_tokens, 2, kv_heads, head_dim] at positions start.. ."""
         if kv.shape[0] != len(self.kv_caches) or kv.shape[2:] != self.kv_caches[0].shape[1:]:
             raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit this model's cache")
+        if kv.dtype != self.kv_dtype:  # never converted here: the transfer handshake agrees on the dtype
+            raise ValueError(f"KV in {kv.dtype} does not fit this model's {self.kv_dtype} cache")
         slots = self._slots(block_ids, start, start + kv.shape[1])
+        kv = kv.to(self.device, non_blocking=True)
         for cache, layer_kv in zip(self.kv_caches, kv, strict=True):
-            cache.index_copy_(0, slots, layer_kv.to(cache.dtype))
+            cache.index_copy_(0, slots, layer_kv)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
-        return torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.long)
+        return to_device([block_ids[p // bs] * bs + p % bs for p in range(start, end)], self.device)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, TokenLogprob]:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[SeqId, TokenLogprob]:
         rows = [
             SamplingRow(
                 params=r.params,
@@ -92,13 +110,13 @@ class ModelRunner:
             )
             for r in requests
         ]
-        batch = SamplingBatch.build(rows, self.vocab_size)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         out = sample(logits[:, : self.vocab_size], batch, self.generator)
-        result: dict[str, TokenLogprob] = {}
+        result: dict[SeqId, TokenLogprob] = {}
         for i, req in enumerate(requests):
             logprob = out.logprobs[i] if out.logprobs is not None else 0.0
             top = out.top_logprobs[i] if out.top_logprobs is not None else []
-            result[req.request_id] = TokenLogprob(out.token_ids[i], logprob, top)
+            result[req.seq_id] = TokenLogprob(out.token_ids[i], logprob, top)
         return result
 
 

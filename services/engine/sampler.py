@@ -13,12 +13,16 @@ Pipeline, per row (sampler_reference.py implements the same steps one row at a t
 5. Exponential race: token = argmax(probs / q) with q ~ Exp(1) i.i.d. per vocab entry, an exact draw
    from probs.
 
-Seeding: a row with a seed draws its q from a fresh generator on the logits' device seeded with
-`derive_seed(seed, position)`, where position is the index of the output token being sampled
-(`len(output_token_ids)`) and `derive_seed(seed, position) = splitmix64(splitmix64(seed) ^ position) >> 1`.
-So a seeded row's token depends on its logits, params, seed and position only: not on batch
-composition, row index, preemption or process (for one device type and torch version). Rows without
-a seed draw from the engine's generator.
+Seeding: a row with a seed draws its q from the counter-based generator of counter_rng.py, not from
+generator state: q[v] = -log(u), u a 52-bit uniform hashed from (derive_seed(seed, position), v), where
+position is the index of the output token being sampled (`len(output_token_ids)`) and
+`derive_seed(seed, position) = splitmix64(splitmix64(seed) ^ position) >> 1`. Every seeded row of a step
+goes through one vectorised call of int64 tensor ops on the logits' device: no torch.Generator, no loop
+over rows, no host sync. So a seeded row's token is a function of its logits, params, seed and position
+only: not of batch composition, row index, batch size, preemption, the prefill-to-decode handoff or the
+process. The hash's integers are the same on every device; the float log, softmax and argmax round on
+each device, so CPU and CUDA tokens for one seed usually agree, which is not promised. Rows without a
+seed draw from the engine's `generator`.
 
 Logprobs are log_softmax of the raw model logits, before penalties, temperature and filtering, like
 vLLM v1's default. They are computed only when some row asks; then `SamplerOutput.logprobs` holds the
@@ -33,7 +37,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.engine.sampling_batch import PenaltyTensors, SamplingBatch, SamplingRow, derive_seed
+from services.engine.counter_rng import counter_exponentials
+from services.engine.sampling_batch import (
+    PenaltyTensors,
+    SamplingBatch,
+    SamplingRow,
+    SeedTensors,
+    derive_seed,
+)
 
 # top_p looks for its cut among this many most likely tokens first; a full sort is the fallback.
 _NUM_TOP_P_CANDIDATES = 256
@@ -43,6 +54,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingBatch",
     "SamplingRow",
+    "SeedTensors",
     "compute_probs",
     "derive_seed",
     "sample",
@@ -184,21 +196,18 @@ def _mask_min_p_(logits: Tensor, min_ps: Tensor) -> None:
 
 
 def _exponentials(batch: SamplingBatch, device: torch.device, generator: torch.Generator) -> Tensor:
-    """Exp(1) noise per sampled row: from its (seed, position) generator, else from `generator`."""
+    """Exp(1) noise per sampled row: counter-based from its (seed, position), else from `generator`."""
     shape = (batch.num_sampled, batch.vocab_size)
-    seeds = batch.sampled_seeds
-    unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-    if len(unseeded) == len(seeds):
+    seeds = batch.seeds
+    if seeds is None:
         q = torch.empty(shape, device=device).exponential_(generator=generator)  # [num_sampled, vocab_size]
+    elif seeds.num_unseeded == 0:
+        q = counter_exponentials(seeds.seeds, seeds.positions, batch.vocab_size)  # [num_sampled, vocab_size]
     else:
         q = torch.empty(shape, device=device)  # [num_sampled, vocab_size]
-        if unseeded:
-            unseeded_shape = (len(unseeded), batch.vocab_size)
-            q[unseeded] = torch.empty(unseeded_shape, device=device).exponential_(generator=generator)
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                row_generator = torch.Generator(device=device).manual_seed(seed)
-                q[i] = torch.empty(batch.vocab_size, device=device).exponential_(generator=row_generator)
+        unseeded_shape = (seeds.num_unseeded, batch.vocab_size)
+        q[seeds.unseeded_ids] = torch.empty(unseeded_shape, device=device).exponential_(generator=generator)
+        q[seeds.seeded_ids] = counter_exponentials(seeds.seeds, seeds.positions, batch.vocab_size)
     # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax picks.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 

@@ -1,7 +1,9 @@
-"""A slow, per-row reference for the sampler's distribution, written independently of sampler.py.
+"""A slow, per-row reference for the sampler, written independently of sampler.py.
 
 Plain Python loops and sorting over one row; torch only for the row's storage (float32, so element
-values round like the fast path's) and for softmax. Tests check that `compute_probs` agrees with it.
+values round like the fast path's) and for softmax. Tests check that `compute_probs` agrees with
+`reference_sample_probs`, and that `sample` picks the token `reference_sample_token` picks for greedy
+and seeded rows, whose noise comes from the pure-Python counter hash (counter_rng.reference_*).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 from torch import Tensor
 
 from services.common.sampling import SamplingParams
+from services.engine.counter_rng import reference_exponential
+from services.engine.sampling_batch import derive_seed
 
 
 def reference_sample_probs(
@@ -51,6 +55,29 @@ def reference_sample_probs(
             if prob < threshold:
                 keep[token_id] = False
     return torch.tensor(_masked_softmax(row, keep), dtype=torch.float32)  # [vocab_size]
+
+
+def reference_sample_token(
+    logits_row: Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    banned_token_ids: Sequence[int] = (),
+) -> int:
+    """The token a greedy or seeded row picks: argmax(probs / q), q[v] the counter draw for v.
+
+    Unseeded sampled rows draw from the engine's generator, which has no reference: ValueError.
+    """
+    probs = reference_sample_probs(logits_row, params, prompt_ids, output_ids, banned_token_ids)
+    if params.is_greedy:
+        return int(probs.argmax())
+    if params.seed is None:
+        raise ValueError("an unseeded sampled row has no reference token")
+    key = derive_seed(params.seed, len(output_ids))
+    q = torch.tensor(
+        [reference_exponential(key, token_id) for token_id in range(len(probs))], dtype=torch.float32
+    )  # [vocab_size]
+    return int((probs / q).argmax())
 
 
 def _masked_softmax(row: Tensor, keep: list[bool]) -> list[float]:

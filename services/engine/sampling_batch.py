@@ -2,6 +2,8 @@
 
 `derive_seed(seed, position) = splitmix64(splitmix64(seed) ^ position) >> 1` (63 bits) is fixed
 forever: it is what makes a seeded request reproducible across batches, preemptions and processes.
+The sampler computes it on tensors (counter_rng.derive_keys) from `SeedTensors.seeds` and
+`.positions`; this Python form is its reference.
 """
 
 from __future__ import annotations
@@ -14,21 +16,12 @@ import torch
 from torch import Tensor
 
 from services.common.sampling import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(value: int) -> int:
-    """The splitmix64 mixer (Steele et al., 2014) on a 64-bit unsigned value."""
-    z = (value + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+from services.engine.counter_rng import splitmix64
 
 
 def derive_seed(seed: int, position: int) -> int:
-    """The 63-bit generator seed for output `position` of a request seeded with `seed`. Fixed forever."""
-    return _splitmix64(_splitmix64(seed) ^ position) >> 1
+    """The 63-bit counter key for output `position` of a request seeded with `seed`. Fixed forever."""
+    return splitmix64(splitmix64(seed) ^ position) >> 1
 
 
 @dataclass
@@ -56,13 +49,31 @@ class PenaltyTensors:
 
 
 @dataclass
+class SeedTensors:
+    """Which sampled rows of a step carry a seed, and the (seed, position) each draws its noise from."""
+
+    seeded_ids: Tensor  # [num_seeded] int64, indices into the sampled rows
+    unseeded_ids: Tensor  # [num_unseeded] int64, the other sampled rows: they use the engine's generator
+    seeds: Tensor  # [num_seeded] int64, SamplingParams.seed (below 2^63)
+    positions: Tensor  # [num_seeded] int64, the output position being sampled: len(output_token_ids)
+
+    @property
+    def num_seeded(self) -> int:
+        return int(self.seeds.shape[0])
+
+    @property
+    def num_unseeded(self) -> int:
+        return int(self.unseeded_ids.shape[0])
+
+
+@dataclass
 class SamplingBatch:
     """Per-step sampler inputs, built once per step by `build`. Unused features are None."""
 
     num_seqs: int
     vocab_size: int
     sampled_row_ids: Tensor  # [num_sampled] int64, the rows that are not greedy
-    sampled_seeds: list[int | None]  # per sampled row: derive_seed(seed, position), None if unseeded
+    seeds: SeedTensors | None  # None when no sampled row has a seed
     temperatures: Tensor  # [num_seqs] float32; unused for greedy rows
     top_ks: Tensor | None  # [num_seqs] int64, 0 = off; None when no sampled row uses top_k
     top_ps: Tensor | None  # [num_seqs] float32; None when no sampled row uses top_p
@@ -74,7 +85,7 @@ class SamplingBatch:
 
     @property
     def num_sampled(self) -> int:
-        return len(self.sampled_seeds)
+        return int(self.sampled_row_ids.shape[0])
 
     @property
     def has_logprobs(self) -> bool:
@@ -95,7 +106,7 @@ class SamplingBatch:
             num_seqs=len(rows),
             vocab_size=vocab_size,
             sampled_row_ids=_int64s(sampled, device),
-            sampled_seeds=[_row_seed(rows[i]) for i in sampled],
+            seeds=_build_seeds([rows[i] for i in sampled], device),
             temperatures=_float32s([p.temperature for p in params], device),
             top_ks=_int64s([p.top_k for p in params], device) if uses_top_k else None,
             top_ps=_float32s([p.top_p for p in params], device) if any(p.top_p < 1 for p in used) else None,
@@ -115,9 +126,27 @@ def _float32s(values: list[float], device: torch.device | str) -> Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)  # [len(values)]
 
 
-def _row_seed(row: SamplingRow) -> int | None:
-    seed = row.params.seed
-    return None if seed is None else derive_seed(seed, len(row.output_token_ids))
+def _build_seeds(sampled_rows: Sequence[SamplingRow], device: torch.device | str) -> SeedTensors | None:
+    """The seed tensors of the sampled rows, or None when none of them has a seed."""
+    seeded_ids: list[int] = []
+    unseeded_ids: list[int] = []
+    seeds: list[int] = []
+    positions: list[int] = []
+    for i, row in enumerate(sampled_rows):
+        if row.params.seed is None:
+            unseeded_ids.append(i)
+        else:
+            seeded_ids.append(i)
+            seeds.append(row.params.seed)
+            positions.append(len(row.output_token_ids))
+    if not seeds:
+        return None
+    return SeedTensors(
+        seeded_ids=_int64s(seeded_ids, device),
+        unseeded_ids=_int64s(unseeded_ids, device),
+        seeds=_int64s(seeds, device),
+        positions=_int64s(positions, device),
+    )
 
 
 def _build_penalties(rows: Sequence[SamplingRow], device: torch.device | str) -> PenaltyTensors | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_pool import NO_BLOCK
 from services.engine.kv_manager import KVCacheManager
-from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
+from services.engine.request import FinishReason, Request, RequestStatus, SeqId, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class StepUpdate:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[SeqId] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -61,28 +61,39 @@ class Scheduler:
     max_num_seqs: int
     waiting: list[Request] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
-    requests: dict[str, Request] = field(default_factory=dict)
+    requests: dict[SeqId, Request] = field(default_factory=dict)
     num_preemptions: int = 0
     num_generated_tokens: int = 0  # tokens sampled (appended in `update`), never reset
-    # Seconds each newly admitted request waited since arrival; drained by whoever reports metrics.
-    queue_times: list[float] = field(default_factory=list)
+    # Seconds each newly admitted request waited since arrival, until `take_queue_times`.
+    _queue_times: list[float] = field(default_factory=list, init=False)
 
     def add(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        """Queue a new request (it waits for admission)."""
+        self.requests[request.seq_id] = request
         self._enqueue(request)
 
     def reserve(self, request: Request) -> bool:
-        """Hold blocks for a request whose prompt KV will arrive from a prefill replica: its cached
-        prefix plus room for the rest of the prompt and the first token. False if the pool is short."""
+        """Take in a new request whose prompt KV will arrive from a prefill replica: hold its cached
+        prefix plus room for the rest of the prompt and the first token, and mark it WAITING_FOR_KV (in
+        neither queue). False, with nothing held or registered, if the pool is short."""
         cached = self.kv.find_cached_prefix(request)
         num_new = request.num_tokens - len(cached) * self.kv.block_size + 1
         if not self.kv.admit(request, cached, num_new):
             return False
-        request.num_cached_tokens = request.num_computed_tokens
-        request._admitted_once = True
+        request.record_admission(request.num_computed_tokens)
         request.status = RequestStatus.WAITING_FOR_KV
-        self.requests[request.request_id] = request
+        self.requests[request.seq_id] = request
         return True
+
+    def live_samples(self, parent_id: str) -> list[Request]:
+        """The samples of request `parent_id` still held here (waiting, running or reserved), by index."""
+        samples = [r for r in self.requests.values() if r.parent_id == parent_id]
+        return sorted(samples, key=lambda r: r.sample_index)
+
+    def take_queue_times(self) -> list[float]:
+        """The queue times (seconds from arrival to first admission) recorded since the last call."""
+        queue_times, self._queue_times = self._queue_times, []
+        return queue_times
 
     def start_remote(self, request: Request) -> None:
         """A reserved request whose prompt KV is now written: it joins the running batch."""
@@ -108,30 +119,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
+        scheduled: set[SeqId] = set()
         for request in list(self.running):
             if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
                 break
-            if request.request_id in out.preempted_ids:
+            if request.seq_id in out.preempted_ids:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._grow_or_preempt(request, num_new, scheduled, out):
                 continue
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
-            scheduled.add(request.request_id)
+            scheduled.add(request.seq_id)
             budget -= num_new
         if not out.preempted_ids:
             self._admit_waiting(out, budget)
         return out
 
     def _grow_or_preempt(
-        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+        self, request: Request, num_new: int, scheduled: set[SeqId], out: SchedulerOutput
     ) -> bool:
         while not self.kv.grow(request, num_new):
-            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+            victims = [r for r in self.running if r.seq_id not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.sort_key) if victims else request
             self._preempt(victim)
-            out.preempted_ids.append(victim.request_id)
+            out.preempted_ids.append(victim.seq_id)
             if victim is request:
                 return False
         return True
@@ -155,10 +166,8 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached_tokens, budget)
             if not self.kv.admit(request, cached, num_new):
                 return  # admission is bounded by KV memory; keep FCFS order
-            if not request._admitted_once:
-                request.num_cached_tokens = num_cached_tokens
-                request._admitted_once = True
-                self.queue_times.append(time.monotonic() - request.arrival_time)
+            if request.record_admission(num_cached_tokens):
+                self._queue_times.append(time.monotonic() - request.arrival_time)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -173,7 +182,7 @@ class Scheduler:
             return False
         return leader.num_computed_tokens < leader.num_prompt_tokens - 1
 
-    def update(self, step: SchedulerOutput, sampled: Mapping[str, TokenLogprob]) -> list[StepUpdate]:
+    def update(self, step: SchedulerOutput, sampled: Mapping[SeqId, TokenLogprob]) -> list[StepUpdate]:
         """Advance each scheduled request past its chunk, append sampled tokens and finish the done."""
         updates = []
         for chunk in step.chunks:
@@ -181,7 +190,7 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.commit(request)
             self.kv.free_out_of_window(request)
-            token = sampled.get(request.request_id)
+            token = sampled.get(request.seq_id)
             if token is None:
                 continue
             request.append_token(token.token_id)
@@ -205,7 +214,7 @@ class Scheduler:
         self.kv.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.requests.pop(request.request_id, None)
+        self.requests.pop(request.seq_id, None)
 
     def held_block_refs(self) -> dict[int, int]:
         """How many references the live requests hold on each block: for invariant checks."""

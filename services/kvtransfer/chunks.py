@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core import KVExport
+from services.engine.kv_export import KVExport
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 TARGET_CHUNK_BYTES = 1 << 20
@@ -38,6 +38,7 @@ class Layout:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    device: str = "cpu"  # the KV cache's device kind: peers must agree on it and on the dtype
 
     @property
     def bytes_per_token(self) -> int:
@@ -51,13 +52,15 @@ class Layout:
             head_dim=self.head_dim,
             dtype=dtype_name(self.dtype),
             block_size=self.block_size,
+            device=self.device,
         )
 
     @classmethod
     def from_proto(cls, msg: kvpb.KVLayout) -> Layout:
         if msg.dtype not in DTYPES:
             raise KVTransferFault(f"unknown KV dtype {msg.dtype!r}")
-        return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, DTYPES[msg.dtype], msg.block_size)
+        device = msg.device or "cpu"
+        return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, DTYPES[msg.dtype], msg.block_size, device)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -90,7 +93,7 @@ def num_chunks(start_token: int, num_tokens: int, layout: Layout, target: int = 
 
 def to_bytes(kv: torch.Tensor) -> bytes:
     """The raw bytes of a KV piece [num_layers, num_tokens, 2, kv_heads, head_dim] in C order."""
-    return kv.contiguous().view(torch.uint8).numpy().tobytes()
+    return kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def checksum(data: bytes | memoryview) -> int:

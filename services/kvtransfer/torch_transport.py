@@ -81,11 +81,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from services.engine.core import KVExport
+from services.engine.kv_export import KVExport
 from services.kvtransfer.chunks import KVTransferFault, Layout, checksum, split, tokens_per_chunk
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
-if not dist.is_available():  # services/decode/server.py then offers "grpc" only
+if not dist.is_available():  # services/worker/server.py then offers "grpc" only
     raise ImportError("this torch build has no torch.distributed")
 
 log = logging.getLogger(__name__)

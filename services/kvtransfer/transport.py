@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from services.engine.core import KVExport
+from services.engine.kv_export import KVExport
 from services.kvtransfer.chunks import KVTransferFault, Layout, checksum, from_bytes, split, to_bytes
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -29,23 +28,9 @@ from services.kvtransfer.transport import GrpcSender, KVSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.worker.counters import TransferCounters
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferCounters:
-    """What crossed to or from peers, for Load and metrics."""
-
-    bytes_total: int = 0
-    remote_prefills_total: int = 0
-    fallbacks_total: int = 0
-    # Called with each completed transfer's seconds on the decode side (the worker's histogram).
-    on_transfer: Callable[[float], None] | None = None
-
-    def observe_transfer(self, seconds: float) -> None:
-        if self.on_transfer is not None:
-            self.on_transfer(seconds)
 
 
 class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
@@ -124,6 +109,8 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             return f"model_fingerprint {request.model_fingerprint!r} is not this replica's"
         if request.kv_dtype != dtype_name(self.layout.dtype):
             return f"KV dtype {request.kv_dtype!r} is not this replica's {dtype_name(self.layout.dtype)}"
+        if (request.kv_device or "cpu") != self.layout.device:
+            return f"KV device {request.kv_device or 'cpu'!r} is not this replica's {self.layout.device!r}"
         if (request.transport or "grpc") not in self.senders:
             return f"transport {request.transport!r} is not offered here"
         if request.num_skip_tokens >= len(request.prompt_token_ids):

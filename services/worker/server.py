@@ -28,16 +28,17 @@ from services.common.config import KvrelayConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_tls import add_port
 from services.common.sampling import SamplingParams
-from services.decode.metrics import WorkerMetrics
 from services.decode.remote_prefill import RemotePrefill
-from services.decode.worker_service import WorkerService
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
 from services.kvtransfer.chunks import Layout
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender, KVReceiver, KVSender
-from services.prefill.prefill_service import PrefillService, TransferCounters
+from services.prefill.prefill_service import PrefillService
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
+from services.worker.counters import TransferCounters
+from services.worker.metrics import WorkerMetrics
+from services.worker.worker_service import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         vocab_size=core.model_config.vocab_size,
         role=role,
         name=name,
-        dtype=str(core.runner.model.dtype).removeprefix("torch."),
+        dtype=str(core.weight_dtype).removeprefix("torch."),
     )
 
 
@@ -87,8 +88,8 @@ def _keep_torch_single_threaded_here() -> None:
 
 def kv_layout(core: EngineCore) -> Layout:
     cfg = core.model_config
-    dtype = core.runner.kv_caches[0].dtype
-    return Layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, core.block_size)
+    dtype = core.kv_dtype
+    return Layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, core.block_size, core.device.type)
 
 
 def _transports(timeout_s: float) -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:

@@ -16,13 +16,13 @@ from services.common import tracing
 from services.common.errors import InvalidRequestError
 from services.common.grpc_auth import request_id_of
 from services.common.proto_convert import sampling_from_proto
-from services.decode.outputs import output_to_proto
 from services.decode.remote_prefill import RemotePrefill
-from services.decode.request_trace import RequestTrace
 from services.engine.async_engine import AsyncEngine, EngineDeadError
-from services.prefill.prefill_service import TransferCounters
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from services.worker.counters import TransferCounters
+from services.worker.outputs import output_to_proto
+from services.worker.request_trace import RequestTrace
 
 log = logging.getLogger(__name__)
 

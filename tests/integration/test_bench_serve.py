@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from services.cli.bench_routing_stack import StackSettings, UpStack, start_up
-from services.cli.bench_serve import require_loopback
-from services.cli.bench_serve_compare import main as compare_main
-from services.cli.bench_serve_workload import PROTOCOLS
+from services.bench.cli import main as bench_main
+from services.bench.serve.command import require_loopback
+from services.bench.serve.workload import PROTOCOLS
+from services.bench.spawn import UpSettings, UpStack, start_up_stack
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.model
@@ -37,7 +37,7 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     workdir = tmp_path_factory.mktemp("bench-serve-stack")
     config = workdir / "config.yaml"
     config.write_text("engine:\n  kv_cache_memory_mb: 128\n  max_model_len: 2048\n")
-    up = start_up(StackSettings(model_dir, 1, 128, 2048), config, workdir / "up.log")
+    up = start_up_stack(UpSettings(model_dir, config, workdir / "logs"))
     try:
         yield up
     finally:
@@ -85,10 +85,12 @@ def test_mix_workload_in_every_protocol(stack: UpStack, tmp_path: Path) -> None:
 
 
 def _check_compare(result: dict[str, Any], tmp_path: Path) -> None:
-    """bench_serve_compare on the same result under two labels: every ratio it can form is 1."""
+    """`kvrelay bench compare` on the same result under two labels: every ratio it can form is 1."""
     for label in ("ours", "peer"):
         (tmp_path / f"{label}.json").write_text(json.dumps(result | {"label": label}))
-    compare_main([str(tmp_path / "ours.json"), str(tmp_path / "peer.json"), "--out", str(tmp_path / "cmp")])
+    bench_main(
+        ["compare", str(tmp_path / "ours.json"), str(tmp_path / "peer.json"), "--out", str(tmp_path / "cmp")]
+    )
     table = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert table["reference"] == "ours" and table["peers"] == ["peer"]
     ratios = [row["ratios"]["peer"] for row in table["rows"] if row["ratios"]["peer"] is not None]

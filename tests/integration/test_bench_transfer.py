@@ -6,17 +6,14 @@ asserted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import cast
 
-from services.cli.bench_transfer import _transfer_entry
-from services.cli.bench_transfer_client import Timing
-from services.cli.bench_transfer_stack import Child, Stack
+from services.bench.transfer.client import Timing
+from services.bench.transfer.command import _transfer_entry
+from services.bench.transfer.stack import Stack
+from tests.bench_helpers import no_process_holds_open, run_kvrelay
 from tests.tiny_model import make_tiny_llama
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TRANSFER_KEYS = {
     "kv_bytes",
     "kv_bytes_per_token",
@@ -42,13 +39,7 @@ def test_bench_transfer_reports_remote_kv_bytes_and_load_ttft(tmp_path: Path) ->
         *("--short-interval", "0.25", "--json", str(out), "--plot", str(tmp_path / "transfer.png")),
         *("--logs", str(tmp_path / "logs")),
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_kvrelay(args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "xfer/TTFT" in done.stdout and "TTFT p99 ms" in done.stdout
     result = json.loads(out.read_text())
@@ -71,28 +62,14 @@ def test_bench_transfer_reports_remote_kv_bytes_and_load_ttft(tmp_path: Path) ->
     for load in sides.values():
         assert load["short"]["count"] > 0 and load["long"]["count"] > 0 and not load["errors"]
     assert (tmp_path / "transfer.png").stat().st_size > 0
-    assert _no_child_left(tmp_path / "logs")
-
-
-def _no_child_left(logs: Path) -> bool:
-    """Every child process of the run is gone: none still has its log file open."""
-    logs = logs.resolve()
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            targets = [str(p.readlink()) for p in fd_dir.iterdir()]
-        except OSError:
-            continue
-        if any(t.startswith(str(logs)) for t in targets):
-            return False
-    return True
+    assert no_process_holds_open(tmp_path / "logs")
 
 
 def test_a_transport_that_falls_back_is_reported_as_skipped_with_the_reason(tmp_path: Path) -> None:
     log = tmp_path / "decode.log"
     line = {"msg": "remote prefill failed; recomputing here", "reason": "transport 'torch' is not offered"}
     log.write_text(json.dumps(line) + "\n")
-    decode = Child("decode", "127.0.0.1:1", cast(subprocess.Popen[bytes], None), log)
     timing = Timing(64, 8, 0.1, 0.2, 0.01, 0.3, "FALLBACK", 0, 0.0, 0)
-    entry = _transfer_entry({64: [timing]}, Stack({}, {"decode": decode}))
+    entry = _transfer_entry({64: [timing]}, Stack({}, {"decode": log}))
     assert entry["status"] == "skipped"
     assert "FALLBACK" in entry["reason"] and "not offered" in entry["reason"]

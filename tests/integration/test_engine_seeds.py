@@ -38,8 +38,7 @@ def run(engine: EngineCore, watch: str) -> tuple[dict[str, list[int]], int]:
     while engine.has_work():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        request = engine.scheduler.requests.get(watch)
-        if request is not None:
+        for request in engine.scheduler.live_samples(watch):
             preempted = max(preempted, request.num_preemptions)
         engine.check_invariants()
     return outputs, preempted

@@ -26,7 +26,7 @@ from tests.tiny_model import make_tiny_llama
 TOKEN = "kv-events-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 BLOCK_SIZE = 16
-WARM_UP_PROMPT = list(range(1, 17))  # services/decode/server.py warm_up: one full block, cached at start
+WARM_UP_PROMPT = list(range(1, 17))  # services/worker/server.py warm_up: one full block, cached at start
 
 
 @dataclass

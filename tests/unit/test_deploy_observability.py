@@ -32,13 +32,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.codec.auth import KeyRecord, key_digest, new_key, write_keys_file
 from services.codec.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
-from services.decode.metrics import WorkerMetrics
 from services.engine.async_engine import AsyncEngine
 from services.engine.block_pool import BlockPoolStats
 from services.engine.core import EngineStats
-from services.prefill.prefill_service import TransferCounters
 from services.router.metrics import RouterCollector
 from services.router.router_service import RouterService
+from services.worker.counters import TransferCounters
+from services.worker.metrics import WorkerMetrics
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.core import KVExport
+from services.engine.kv_export import KVExport
 from services.kvtransfer.chunks import (
     KVAssembler,
     KVTransferFault,

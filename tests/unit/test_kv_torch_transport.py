@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.core import KVExport
+from services.engine.kv_export import KVExport
 from services.kvtransfer.chunks import DTYPES, KVAssembler, KVTransferFault, Layout, num_chunks
 from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender

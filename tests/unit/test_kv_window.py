@@ -25,7 +25,7 @@ def req(rid: str, prompt: list[int], max_tokens: int = 8, export_kv_from: int | 
 
 def run_step(s: Scheduler) -> SchedulerOutput:
     step = s.schedule()
-    s.update(step, {c.request.request_id: TokenLogprob(7, 0.0) for c in step.chunks if c.samples})
+    s.update(step, {c.request.seq_id: TokenLogprob(7, 0.0) for c in step.chunks if c.samples})
     s.kv.pool.check_invariants(s.held_block_refs())
     return step
 

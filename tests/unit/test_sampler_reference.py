@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine.sampler import SamplingBatch, SamplingRow, compute_probs
-from services.engine.sampler_reference import reference_sample_probs
+from services.engine.sampler import SamplingBatch, SamplingRow, compute_probs, sample
+from services.engine.sampler_reference import reference_sample_probs, reference_sample_token
 
 VOCAB_SIZE = 64
 
@@ -90,3 +91,27 @@ def test_top_p_agrees_with_reference_whether_the_cut_is_among_the_candidates_or_
         expected = reference_sample_probs(logits[i], row.params, [0], [])  # [vocab_size]
         torch.testing.assert_close(fast[i], expected, atol=1e-6, rtol=0.0)
     assert int((fast[0] > 0).sum()) > 256 and int((fast[1] > 0).sum()) < 256
+
+
+@pytest.mark.parametrize("batch_seed", range(6))
+def test_seeded_and_greedy_tokens_equal_the_reference_token_on_mixed_batches(batch_seed: int) -> None:
+    rng = random.Random(100 + batch_seed)
+    rows = [
+        replace(row, params=replace(row.params, seed=rng.choice((0, 2**63 - 1, rng.getrandbits(63)))))
+        for row in _random_rows(rng, num_rows=48)
+    ]
+    generator = torch.Generator().manual_seed(batch_seed)
+    logits = torch.randn(len(rows), VOCAB_SIZE, generator=generator) * 2.0  # [num_rows, vocab_size]
+    fast = sample(logits, SamplingBatch.build(rows, VOCAB_SIZE), generator).token_ids
+    expected = [
+        reference_sample_token(
+            logits[i], row.params, row.prompt_token_ids, row.output_token_ids, row.banned_token_ids
+        )
+        for i, row in enumerate(rows)
+    ]
+    assert fast == expected
+
+
+def test_reference_token_refuses_an_unseeded_sampled_row() -> None:
+    with pytest.raises(ValueError, match="unseeded"):
+        reference_sample_token(torch.zeros(VOCAB_SIZE), SamplingParams(), [1], [])

@@ -8,7 +8,7 @@ from services.common.block_hash import BlockHasher, root_hash
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.request import FinishReason, Request, TokenLogprob
+from services.engine.request import FinishReason, Request, SeqId, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
 
 BLOCK = 4
@@ -25,8 +25,8 @@ def req(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0, t: 
     return Request(rid, prompt, params, BlockHasher(ROOT, BLOCK), priority=priority, arrival_time=t)
 
 
-def fake_sample(step: SchedulerOutput, token: int = 7) -> dict[str, TokenLogprob]:
-    return {c.request.request_id: TokenLogprob(token, 0.0) for c in step.chunks if c.samples}
+def fake_sample(step: SchedulerOutput, token: int = 7) -> dict[SeqId, TokenLogprob]:
+    return {c.request.seq_id: TokenLogprob(token, 0.0) for c in step.chunks if c.samples}
 
 
 def run_step(s: Scheduler) -> SchedulerOutput:
@@ -43,7 +43,7 @@ def test_long_prompt_is_chunked_and_never_stalls_a_running_decode() -> None:
     s.add(req("long", list(range(100, 130)), max_tokens=2, t=1.0))
     for _ in range(3):
         step = run_step(s)
-        by_id = {c.request.request_id: c.num_new_tokens for c in step.chunks}
+        by_id = {c.request.parent_id: c.num_new_tokens for c in step.chunks}
         assert by_id["short"] == 1  # the decode runs every step
         assert by_id["long"] == 7  # the rest of the budget goes to the prefill chunk
         assert step.num_batched_tokens <= 8
@@ -68,7 +68,7 @@ def test_preempts_newest_request_when_out_of_blocks_and_recomputes_it() -> None:
         step = run_step(s)
         for c in step.chunks:
             if c.request.is_finished:
-                finished[c.request.request_id] = c.request
+                finished[c.request.parent_id] = c.request
     assert s.num_preemptions >= 1
     assert set(finished) == {"old", "new"}
     assert finished["new"].num_preemptions >= 1
@@ -108,8 +108,8 @@ def test_abort_at_any_point_returns_every_block() -> None:
         for _ in range(abort_after):
             if s.has_work():
                 run_step(s)
-        if "x" in s.requests:
-            s.finish(s.requests["x"], FinishReason.ABORT)
+        for request in s.live_samples("x"):
+            s.finish(request, FinishReason.ABORT)
         s.kv.pool.check_invariants(s.held_block_refs())
         assert s.kv.pool.stats().num_active == 0
 
@@ -119,7 +119,7 @@ def test_priority_orders_admission() -> None:
     s.add(req("late-urgent", [1, 2], priority=-1, t=5.0))
     s.add(req("early", [1, 2], priority=0, t=0.0))
     [chunk] = run_step(s).chunks
-    assert chunk.request.request_id == "late-urgent"
+    assert chunk.request.parent_id == "late-urgent"
 
 
 def test_random_mix_of_finishes_aborts_and_preemptions_never_leaks() -> None:
@@ -134,8 +134,8 @@ def test_random_mix_of_finishes_aborts_and_preemptions_never_leaks() -> None:
             live.append(rid)
         if live and rng.random() < 0.1:
             rid = live.pop(rng.randrange(len(live)))
-            if rid in s.requests:
-                s.finish(s.requests[rid], FinishReason.ABORT)
+            for request in s.live_samples(rid):
+                s.finish(request, FinishReason.ABORT)
         if s.has_work():
             run_step(s)
     while s.has_work():

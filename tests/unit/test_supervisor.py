@@ -16,7 +16,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,8 @@ FAKE_SERVICE = textwrap.dedent("""
     num_starts = int(starts.read_text()) + 1 if starts.exists() else 1
     starts.write_text(str(num_starts))
     record("start")
+    print(f"{name} out {num_starts}", flush=True)
+    print(f"{name} err {num_starts}", file=sys.stderr, flush=True)
     if num_starts <= int(os.environ.get("FAKE_CRASHES", "0")):
         record("crash")
         sys.exit(int(os.environ.get("FAKE_EXIT_CODE", "1")))
@@ -180,6 +182,22 @@ def test_restarts_a_child_that_crashes_at_startup_with_doubling_backoff(
     assert len(gaps) == 3
     assert gaps[0] >= 0.2 and gaps[1] >= 0.4 and gaps[2] >= 0.4  # 0.2, doubled, capped at 0.4
     assert running.stop() == 0
+
+
+def test_a_child_with_a_log_path_appends_stdout_and_stderr_there_across_restarts(
+    tmp_path: Path, run_in_thread: Callable[..., Running]
+) -> None:
+    policy = RestartPolicy(initial_delay_s=0.1, max_delay_s=0.1, reset_after_s=60.0)
+    options = SupervisorOptions(grace_s=5.0, poll_interval_s=0.02, probe_interval_s=0.05, restart=policy)
+    log = tmp_path / "logs" / "worker-1.log"
+    log.parent.mkdir()
+    specs = stack_specs(tmp_path, **{"worker-1": {"FAKE_CRASHES": "1"}})
+    running = run_in_thread([replace(s, log_path=log) if s.name == "worker-1" else s for s in specs], options)
+    assert running.ready.wait(20)
+    assert running.stop() == 0
+    lines = log.read_text().splitlines()
+    assert sorted(lines) == sorted(["worker-1 out 1", "worker-1 err 1", "worker-1 out 2", "worker-1 err 2"])
+    assert list(log.parent.iterdir()) == [log]  # the other children's output went elsewhere
 
 
 def test_restarts_a_running_child_that_is_killed(

@@ -132,11 +132,16 @@ class Gemma3Model:
         self.linears = [_LayerLinears(*(make_linear(getattr(t, n)) for n in names)) for t in self.layers]
         self.lm_head = self.lm_head_stored.to(dtype)  # [vocab, hidden]
         self.lm_head_linear = make_linear(self.lm_head)
-        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)  # rounded as the reference does
+        self.device = embed.device
+        embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)  # rounded as the reference does
+        self.embed_scale = embed_scale.to(self.device)
         thetas = sorted({config.layer_rope_theta(i) for i in range(config.num_layers)})
-        self.inv_freqs = {theta: inverse_frequencies(config.head_dim, theta) for theta in thetas}
+        self.inv_freqs = {
+            theta: inverse_frequencies(config.head_dim, theta).to(self.device) for theta in thetas
+        }
 
-        kernels = load_cpu_kernels() if use_cpu_kernels and self._attention_kernel_fits() else None
+        on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
+        kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
         # Decode rows read the cache in place through the C kernel, which wants fp32 KV.
         self.attention_kernels: CpuKernels | None = kernels
         self.kv_dtype = torch.float32 if kernels is not None else dtype

@@ -137,12 +137,16 @@ class LlamaModel:
         self.embed_tokens = self.lm_head_stored if is_tied else embed  # [vocab, hidden]
         self.lm_head = self.lm_head_stored.to(dtype)  # [vocab, hidden]
         self.layers = [layer.to(dtype) for layer in self.stored_layers]
-        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.device = embed.device
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, self.device
+        )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.linears = [_LayerLinears.of(layer) for layer in self.layers]
         self.lm_head_linear = make_linear(self.lm_head)
-        kernels = load_cpu_kernels() if use_cpu_kernels and self._attention_kernel_fits() else None
+        on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
+        kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
         self.kernels = kernels if self._kernels_fit() else None  # every layer in one call (fp32 only)
         # Decode rows read the cache in place through the C kernel, which wants fp32 KV: under bf16
         # compute the cache is then kept in fp32 (bf16 K/V are stored exactly; twice the bytes).

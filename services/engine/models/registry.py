@@ -19,6 +19,7 @@ class CausalLM(Protocol):
     config: ModelConfig
     dtype: torch.dtype
     kv_dtype: torch.dtype  # the KV cache's dtype (may be wider than the compute dtype)
+    device: torch.device  # where the weights are, and so the KV cache and the step's work
 
     def forward(
         self,
@@ -38,10 +39,13 @@ _FAMILIES: dict[str, type] = {
 }
 
 
-def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> CausalLM:
+def build_model(
+    config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, *, cpu_kernels: bool = True
+) -> CausalLM:
+    """The family's model over `weights` (on their device). `cpu_kernels=False` keeps it on the torch path."""
     family = _FAMILIES.get(config.architecture)
     if family is None:
         known = ", ".join(sorted(_FAMILIES))
         raise ModelLoadError(f"architecture {config.architecture!r} is not supported (known: {known})")
-    model: CausalLM = family(config, weights, dtype)
+    model: CausalLM = family(config, weights, dtype, use_cpu_kernels=cpu_kernels)
     return model

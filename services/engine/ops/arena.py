@@ -24,9 +24,12 @@ ALIGN_BYTES = 64
 
 
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of `tensors` (all of one dtype) laid out in one huge-page-advised buffer."""
+    """Contiguous copies of `tensors` (all of one dtype) laid out in one huge-page-advised buffer. Tensors
+    off the CPU (a GPU's weights) come back as they are: the buffer is a host-memory concern."""
     if not tensors:
         return []
+    if tensors[0].device.type != "cpu":
+        return [t.contiguous() for t in tensors]
     dtype = tensors[0].dtype
     if any(t.dtype != dtype for t in tensors):
         raise ValueError("arena.pack takes tensors of one dtype")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt", "priority", "num_skip_tokens", "model_fingerprint", "kv_dtype", "transport", "rendezvous", "torch_tag")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt", "priority", "num_skip_tokens", "model_fingerprint", "kv_dtype", "transport", "rendezvous", "torch_tag", "kv_device")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class PrefillRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     TORCH_TAG_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -31,21 +32,24 @@ class PrefillRequest(_message.Message):
     transport: str
     rendezvous: str
     torch_tag: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., num_skip_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., transport: _Optional[str] = ..., rendezvous: _Optional[str] = ..., torch_tag: _Optional[int] = ...) -> None: ...
+    kv_device: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., num_skip_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., transport: _Optional[str] = ..., rendezvous: _Optional[str] = ..., torch_tag: _Optional[int] = ..., kv_device: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "device")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     block_size: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
     __slots__ = ("model_fingerprint", "layout", "first_token", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "first_token_position", "num_kv_tokens", "num_chunks")

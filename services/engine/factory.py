@@ -1,0 +1,150 @@
+"""Building an engine core and its parts from config: the block pool, KV cache manager, scheduler, and a
+runner over the loaded model with its KV cache tensors, on the device `engine.device` names.
+
+On a CPU the KV cache takes `engine.kv_cache_memory_mb`. On a GPU it takes what is left of the engine's
+share of the device (`engine.gpu_memory_utilization`) after the weights and one warm-up forward of a full
+step's tokens (services/engine/device.py has the rule and its refusals).
+
+`assemble_core` takes the runner as a function of the planned KV cache, so tests build the same core
+over a fake runner without a model directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from services.common.config import EngineConfig, KvrelayConfig
+from services.common.manifest import Manifest
+from services.engine.attention import RowSpec, build_metadata, to_device
+from services.engine.block_pool import BlockPool
+from services.engine.core import EngineCore
+from services.engine.device import (
+    default_batched_tokens,
+    measure_device_memory,
+    plan_device_blocks,
+    resolve_device,
+)
+from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
+from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
+from services.engine.loader import LoadedModel, load_model
+from services.engine.models.config import ModelConfig
+from services.engine.models.registry import CausalLM
+from services.engine.runner import ModelRunner
+from services.engine.runner_protocol import Runner
+from services.engine.scheduler import Scheduler
+
+# Builds the runner once the KV cache is planned: the cache's layout and how many blocks it holds.
+RunnerFactory = Callable[[KVCacheSpec, int], Runner]
+# How many KV blocks of a spec the engine gets, given max_model_len.
+BlockPlanner = Callable[[KVCacheSpec, int], int]
+
+
+def max_model_len_for(config: ModelConfig, engine: EngineConfig) -> int:
+    """`engine.max_model_len`, capped at what the model's positions allow (the model's when unset)."""
+    return min(engine.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+
+
+def build_scheduler(
+    config: ModelConfig,
+    engine: EngineConfig,
+    num_blocks: int,
+    batch_size_limit: int,
+    device: torch.device | None = None,
+) -> Scheduler:
+    """A scheduler over a fresh pool of `num_blocks` blocks and its KV cache manager."""
+    pool = BlockPool(num_blocks, enable_caching=engine.enable_prefix_caching)
+    kv = KVCacheManager(pool, engine.block_size, PrefixCacheStats(), window=config.kv_window)
+    budget = default_batched_tokens(device or torch.device("cpu"), engine.max_num_batched_tokens)
+    return Scheduler(kv, budget, batch_size_limit)
+
+
+def assemble_core(
+    config: ModelConfig,
+    manifest: Manifest,
+    engine: EngineConfig,
+    batch_size_limit: int,
+    kv_dtype: torch.dtype,
+    runner_for: RunnerFactory,
+    *,
+    plan_blocks: BlockPlanner | None = None,
+    device: torch.device | None = None,
+) -> EngineCore:
+    """Plan the KV cache (within `engine.kv_cache_memory_mb` unless `plan_blocks` says otherwise), then
+    build the scheduler and the runner."""
+    max_model_len = max_model_len_for(config, engine)
+    spec = KVCacheSpec.for_model(config, engine.block_size, kv_dtype)
+    if plan_blocks is None:
+        num_blocks = plan_num_blocks(spec, engine.kv_cache_memory_mb, max_model_len)
+    else:
+        num_blocks = plan_blocks(spec, max_model_len)
+    runner = runner_for(spec, num_blocks)
+    scheduler = build_scheduler(config, engine, num_blocks, batch_size_limit, device)
+    return EngineCore(config, manifest, scheduler, runner, max_model_len=max_model_len)
+
+
+def build_core(config: KvrelayConfig) -> EngineCore:
+    """Load the prepared model directory `config.model.path` onto `engine.device` and build a core."""
+    if config.engine.num_threads:
+        torch.set_num_threads(config.engine.num_threads)
+    device = resolve_device(config.engine.device)
+    free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    cpu_kernels = config.engine.attention == "auto"
+    loaded = load_model(config.model.path, config.model.dtype, device, cpu_kernels=cpu_kernels)
+    return build_core_from_loaded(loaded, config, free_at_start=free_at_start)
+
+
+def build_core_from_loaded(
+    loaded: LoadedModel, config: KvrelayConfig, *, free_at_start: int | None = None
+) -> EngineCore:
+    """A core over an already loaded model (a directory's, or a state dict's: loader.load_state_dict), on
+    the device its weights are on. `free_at_start`: the device's free bytes before the weights were placed
+    (unknown for a state dict built elsewhere: then what this process's allocator holds counts)."""
+    engine = config.engine
+    device = loaded.model.device
+    batch_size_limit = config.limits.batch_size_limit
+
+    def model_runner(spec: KVCacheSpec, num_blocks: int) -> Runner:
+        if device.type == "cpu":
+            check_host_memory(loaded.weight_bytes, num_blocks * spec.bytes_per_block)
+        caches = allocate_kv_caches(spec, num_blocks, device)
+        return ModelRunner(loaded.model, caches, engine.block_size, loaded.config.vocab_size, engine.seed)
+
+    plan_blocks: BlockPlanner | None = None
+    if device.type == "cuda":
+        start = torch.cuda.mem_get_info(device)[0] if free_at_start is None else free_at_start
+        budget = default_batched_tokens(device, engine.max_num_batched_tokens)
+
+        def plan_blocks(spec: KVCacheSpec, max_model_len: int) -> int:
+            warm_up(loaded.model, spec, min(budget, max_model_len), batch_size_limit, device)
+            memory = measure_device_memory(device, start)
+            util = engine.gpu_memory_utilization
+            return plan_device_blocks(spec.bytes_per_block, spec.block_size, memory, util, max_model_len)
+
+    return assemble_core(
+        loaded.config,
+        loaded.manifest,
+        engine,
+        batch_size_limit,
+        loaded.model.kv_dtype,
+        model_runner,
+        plan_blocks=plan_blocks,
+        device=device,
+    )
+
+
+def warm_up(
+    model: CausalLM, spec: KVCacheSpec, num_tokens: int, num_samples: int, device: torch.device
+) -> None:
+    """One forward of a full step (`num_tokens` prompt tokens, logits for `num_samples` of them) over a
+    scratch cache, so the allocator's peak holds the step's activations before the KV cache is sized."""
+    num_blocks = -(-num_tokens // spec.block_size)
+    caches = allocate_kv_caches(spec, num_blocks, device)
+    meta = build_metadata([], [RowSpec(list(range(num_blocks)), 0, num_tokens)], spec.block_size, device)
+    token_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [num_tokens]
+    samples = to_device(list(range(max(0, num_tokens - num_samples), num_tokens)), device)  # [num_samples]
+    model.forward(token_ids, caches, meta, samples)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    del caches

@@ -1,0 +1,24 @@
+"""The KV a prefill replica ships to a decode replica, and the error for KV that does not fit.
+
+A module of its own so the KV transfer layer can carry KV without importing the engine core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """The KV of prompt positions start_token.. of one request, every layer: what a prefill replica ships."""
+
+    start_token: int
+    kv: torch.Tensor  # [num_layers, num_tokens, 2, num_kv_heads, head_dim]
+
+
+class KVTransferError(InvalidRequestError):
+    """Received KV that does not fit the reservation it is meant for (wrong start or token count)."""

@@ -1,0 +1,58 @@
+"""The seam between the engine core and what runs the model: the `Runner` protocol and a step's result.
+
+`ModelRunner` (runner.py) is the real one; tests put a fake at exactly this seam. Every method runs on
+the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.engine.request import SeqId, TokenLogprob
+from services.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    """The token sampled for each chunk that reached the end of its known tokens, by sequence."""
+
+    sampled: dict[SeqId, TokenLogprob]
+
+
+class Runner(Protocol):
+    """Computes a scheduled step over the paged KV cache and samples; moves KV in and out of blocks."""
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the model's weights are stored in."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV cache lives (and the model runs)."""
+        ...
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (what `read_kv` returns and `write_kv` stores)."""
+        ...
+
+    def set_before_forward(self, hook: Callable[[], None] | None) -> None:
+        """Call `hook` (None: nothing) right before each forward, once the step's inputs are built."""
+        ...
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        """Write the KV of every scheduled chunk into its blocks and sample where a chunk samples."""
+        ...
+
+    def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """A copy of the KV at positions start..end-1: [num_layers, end - start, 2, kv_heads, head_dim]."""
+        ...
+
+    def write_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
+        """Store `kv` [num_layers, num_tokens, 2, kv_heads, head_dim] at positions start.. ."""
+        ...

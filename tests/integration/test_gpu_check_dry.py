@@ -1,0 +1,35 @@
+"""scripts/gpu_check.py on the CPU: its help, and a dry run of its stages on the tiny shape, so the script a
+GPU machine runs is known to start, build models from state dicts and write its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.stack_helpers import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "gpu_check.py"
+
+
+def test_help_lists_the_stages() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--out" in done.stdout and "--stages" in done.stdout and "--device" in done.stdout
+
+
+def test_a_dry_run_on_the_cpu_writes_every_stage(tmp_path: Path) -> None:
+    argv = [
+        sys.executable, str(SCRIPT), "--device", "cpu", "--stages", "0,1,3,4,5", "--check-shape", "tiny",
+        "--shapes", "tiny", "--copy-mib", "8", "--decode-steps", "4", "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert done.returncode == 0, (summary, done.stderr[-2000:])
+    assert set(summary) == {"0_smoke", "1_copy", "3_cosine", "4_speed", "5_baseline"}
+    smoke = json.loads((tmp_path / "stage0_smoke.json").read_text())
+    assert smoke["ok"] and smoke["device"] == "cpu" and smoke["tokens"] == smoke["transformers_tokens"]
+    assert min(summary["3_cosine"]["cosines"]) >= 0.999
+    speed = summary["4_speed"]["tiny"]
+    assert all(speed[f"decode_tok_s_b{b}"] > 0 for b in (1, 8, 64))
