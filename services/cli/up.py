@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     workers = plan_workers(args.mode, args.workers, args.prefill_replicas, args.decode_replicas)
     if args.grace_seconds < 0:
         raise UpError(f"--grace-seconds must be 0 or more, got {args.grace_seconds}")
-    cfg = load_config(args.config)
+    cfg = share_one_gpu(load_config(args.config), len(workers))
     model_dir = Path(args.model or cfg.model.path).resolve()
     if not model_dir.is_dir():
         raise ModelNotFoundError(
@@ -322,6 +322,28 @@ def run(args: argparse.Namespace) -> int:
             tls=cfg.internal_tls,
         )
         return _supervise(plan, args.grace_seconds)
+
+
+# What `kvrelay up`'s workers take of one GPU together when the config leaves each one's share unset.
+SHARED_GPU_UTILIZATION = 0.9
+
+
+def share_one_gpu(cfg: KvrelayConfig, num_workers: int) -> KvrelayConfig:
+    """Every worker `kvrelay up` starts sees the same GPU: split SHARED_GPU_UTILIZATION evenly between
+    them where `engine.gpu_memory_utilization` is unset, and refuse a set share that, taken by every
+    worker, asks for more than 0.95 of the device (checked only where a CUDA device is visible)."""
+    engine = cfg.engine
+    if engine.device == "cpu" or num_workers < 2:
+        return cfg
+    if "gpu_memory_utilization" not in engine.model_fields_set:
+        share = int(SHARED_GPU_UTILIZATION / num_workers * 100) / 100
+        return cfg.model_copy(update={"engine": engine.model_copy(update={"gpu_memory_utilization": share})})
+    from services.engine.device import check_shared_device, resolve_device
+
+    if resolve_device(engine.device).type == "cuda":
+        shares = {f"worker-{i}": engine.gpu_memory_utilization for i in range(num_workers)}
+        check_shared_device(shares, engine.device)
+    return cfg
 
 
 def _supervise(plan: StackPlan, grace_s: float) -> int:

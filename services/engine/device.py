@@ -82,6 +82,22 @@ class DeviceMemory:
     engine_bytes: int  # what this engine holds: weights, the warm-up's peak, its CUDA context
 
 
+def check_weights_fit(weight_bytes: int, total_bytes: int, free_bytes: int, utilization: float) -> None:
+    """Refuse, before anything is placed, weights larger than the engine's share or the free memory."""
+    share = int(total_bytes * utilization)
+    if weight_bytes > share:
+        raise CapacityError(
+            f"the weights take {weight_bytes / GIB:.2f} GiB, more than this engine's share of the device: "
+            f"engine.gpu_memory_utilization={utilization} of {total_bytes / GIB:.2f} GiB is "
+            f"{share / GIB:.2f} GiB; raise it, or serve the model on a larger device"
+        )
+    if weight_bytes > free_bytes:
+        raise CapacityError(
+            f"the weights take {weight_bytes / GIB:.2f} GiB, but only {free_bytes / GIB:.2f} GiB of the "
+            "device is free (another process holds the rest)"
+        )
+
+
 def plan_device_blocks(
     bytes_per_block: int, block_size: int, memory: DeviceMemory, utilization: float, max_model_len: int
 ) -> int:

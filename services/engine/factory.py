@@ -21,6 +21,7 @@ from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore
 from services.engine.device import (
+    check_weights_fit,
     default_batched_tokens,
     measure_device_memory,
     plan_device_blocks,
@@ -28,7 +29,7 @@ from services.engine.device import (
 )
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
 from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.loader import LoadedModel, load_model
+from services.engine.loader import LoadedModel, load_model, stored_weight_bytes
 from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM
 from services.engine.runner import ModelRunner
@@ -89,7 +90,11 @@ def build_core(config: KvrelayConfig) -> EngineCore:
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     device = resolve_device(config.engine.device)
-    free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    free_at_start = 0
+    if device.type == "cuda":
+        free_at_start, total = torch.cuda.mem_get_info(device)
+        weights = stored_weight_bytes(config.model.path, config.model.dtype)
+        check_weights_fit(weights, total, free_at_start, config.engine.gpu_memory_utilization)
     cpu_kernels = config.engine.attention == "auto"
     loaded = load_model(config.model.path, config.model.dtype, device, cpu_kernels=cpu_kernels)
     return build_core_from_loaded(loaded, config, free_at_start=free_at_start)

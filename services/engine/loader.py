@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from services.common.errors import ConfigError, CorruptModelError, ModelNotFoundError
@@ -87,6 +88,21 @@ def load_model(
         weights.update({name: t.to(precision.weights) for name, t in loaded.items()})
         del loaded
     return _build(config, weights, manifest, precision, dtype, cpu_kernels)
+
+
+def stored_weight_bytes(model_dir: str | Path, dtype: str, device: str = "cuda") -> int:
+    """The bytes the weights of a prepared directory will take once loaded in `dtype` on `device`, read
+    from the safetensors headers alone (nothing is loaded), so a device too small refuses before it runs."""
+    elem = torch.empty((), dtype=resolve_precision(dtype, device).weights).element_size()
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    total += math.prod(f.get_slice(name).get_shape()) * elem
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptModelError(f"cannot read weights {file.name}: {exc}") from exc
+    return total
 
 
 def load_state_dict(

@@ -132,7 +132,7 @@ def _filtered_probs(penalised: Tensor, batch: SamplingBatch) -> Tensor:
     logits = penalised if batch.num_sampled == batch.num_seqs else penalised[row_ids]
     logits = logits / batch.temperatures[row_ids].unsqueeze(1)  # [num_sampled, vocab_size]
     if batch.top_ks is not None:
-        _mask_top_k_(logits, batch.top_ks[row_ids])
+        _mask_top_k_(logits, batch.top_ks[row_ids], batch.max_top_k)
     if batch.top_ps is not None:
         _mask_top_p_(logits, batch.top_ps[row_ids])
     if batch.min_ps is not None:
@@ -140,29 +140,36 @@ def _filtered_probs(penalised: Tensor, batch: SamplingBatch) -> Tensor:
     return logits.softmax(dim=-1)  # [num_sampled, vocab_size]
 
 
-def _mask_top_k_(logits: Tensor, top_ks: Tensor) -> None:
-    """In place: keep logits at least the k-th largest of their row; k of 0 or >= vocab keeps all."""
+def _mask_top_k_(logits: Tensor, top_ks: Tensor, max_k: int) -> None:
+    """In place: keep logits at least the k-th largest of their row; k of 0 or >= vocab keeps all.
+    `max_k`: the largest k in use, from the host, so sizing the top-k reads nothing back from a GPU."""
     is_on = (top_ks > 0) & (top_ks < logits.shape[1])  # [num_rows]
     ks = torch.where(is_on, top_ks, torch.ones_like(top_ks))  # [num_rows]
-    top_values = logits.topk(int(ks.max()), dim=-1).values  # [num_rows, max_k]
+    top_values = logits.topk(max_k, dim=-1).values  # [num_rows, max_k]
     kth_values = top_values.gather(1, (ks - 1).unsqueeze(1))  # [num_rows, 1]
     kth_values = kth_values.masked_fill(~is_on.unsqueeze(1), float("-inf"))  # [num_rows, 1]
     logits.masked_fill_(logits < kth_values, float("-inf"))
 
 
-def _mask_top_p_(logits: Tensor, top_ps: Tensor) -> None:
+def _mask_top_p_(logits: Tensor, top_ps: Tensor, full_sort: bool | None = None) -> None:
     """In place: keep the most likely tokens until their mass reaches top_p; 1.0 keeps all.
 
-    The cut is looked for among each row's most likely _NUM_TOP_P_CANDIDATES tokens, and by a full
-    sort only for rows whose candidates hold less than top_p: both give the same set, and which one a
-    row takes depends on that row alone.
+    On a CPU the cut is looked for among each row's most likely _NUM_TOP_P_CANDIDATES tokens, and by a
+    full sort only for rows whose candidates hold less than top_p: both give the same set, and which one
+    a row takes depends on that row alone. On a GPU every row is sorted in full: finding the short rows
+    would read a mask back to the host, a wait in the middle of the step.
     """
     vocab_size = logits.shape[1]
     probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+    is_filtered = top_ps < 1.0  # [num_rows]
+    if logits.device.type != "cpu" if full_sort is None else full_sort:
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)  # [num_rows, vocab_size]
+        keep = _nucleus(sorted_probs, sorted_ids, top_ps, vocab_size)[0] | ~is_filtered.unsqueeze(1)
+        logits.masked_fill_(~keep, float("-inf"))
+        return
     num_candidates = min(_NUM_TOP_P_CANDIDATES, vocab_size)
     candidate_probs, candidate_ids = probs.topk(num_candidates, dim=-1)  # [num_rows, num_candidates]
     keep, candidate_mass = _nucleus(candidate_probs, candidate_ids, top_ps, vocab_size)
-    is_filtered = top_ps < 1.0  # [num_rows]
     short_row_ids = ((candidate_mass < top_ps) & is_filtered).nonzero().squeeze(1)  # [num_short]
     if short_row_ids.numel() > 0:
         short_probs = probs[short_row_ids]  # [num_short, vocab_size]

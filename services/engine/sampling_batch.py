@@ -82,6 +82,7 @@ class SamplingBatch:
     banned_row_ids: Tensor | None  # [num_banned] int64
     banned_token_ids: Tensor | None  # [num_banned] int64
     num_logprobs: list[int | None]  # per row, SamplingParams.logprobs
+    max_top_k: int = 1  # the largest top_k in use, known on the host (no device read to size topk)
 
     @property
     def num_sampled(self) -> int:
@@ -115,6 +116,7 @@ class SamplingBatch:
             banned_row_ids=_int64s(banned_row_ids, device) if banned_row_ids else None,
             banned_token_ids=_int64s(banned_token_ids, device) if banned_token_ids else None,
             num_logprobs=[p.logprobs for p in params],
+            max_top_k=max((p.top_k for p in used if 0 < p.top_k < vocab_size), default=1),
         )
 
 

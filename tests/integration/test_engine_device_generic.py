@@ -18,7 +18,7 @@ from services.common.config import load_config
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
 from services.engine.factory import build_core_from_loaded
-from services.engine.loader import load_state_dict
+from services.engine.loader import load_model, load_state_dict, stored_weight_bytes
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tiny_model import make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3
 
@@ -85,3 +85,12 @@ def test_a_state_dicts_default_fingerprint_follows_its_shapes(tmp_path: Path) ->
     wider = load_state_dict({**hf_config, "rope_theta": 5.0}, state, dtype="float32").manifest
     assert first == again and len(first) == 64
     assert wider.model_fingerprint != first
+
+
+def test_the_weight_bytes_a_device_is_checked_for_come_from_the_headers(tmp_path: Path) -> None:
+    model_dir = make_tiny_llama(tmp_path / "llama")
+    state = load_file(str(model_dir / "model.safetensors"))
+    numel = sum(t.numel() for t in state.values())
+    assert stored_weight_bytes(model_dir, "float32", "cpu") == numel * 4
+    assert stored_weight_bytes(model_dir, "bfloat16", "cuda") == numel * 2
+    assert load_model(model_dir, "float32").manifest.model_fingerprint

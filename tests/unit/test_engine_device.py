@@ -14,6 +14,7 @@ from services.engine.device import (
     DeviceMemory,
     DeviceUnavailableError,
     check_shared_device,
+    check_weights_fit,
     cuda_compute_dtype,
     default_batched_tokens,
     plan_device_blocks,
@@ -94,3 +95,11 @@ def test_dtype_and_step_budget_follow_the_device() -> None:
     assert default_batched_tokens(torch.device("cpu"), None) == 256
     assert default_batched_tokens(torch.device("cuda", 0), None) == 2048
     assert default_batched_tokens(torch.device("cuda", 0), 512) == 512
+
+
+def test_weights_larger_than_the_share_or_the_free_memory_are_refused_before_loading() -> None:
+    check_weights_fit(16 * GIB, H200, 130 * GIB, 0.9)
+    with pytest.raises(CapacityError, match=r"the weights take 140.00 GiB, more than this engine's share"):
+        check_weights_fit(140 * GIB, H200, 141 * GIB, 0.9)
+    with pytest.raises(CapacityError, match=r"only 10.00 GiB of the device is free"):
+        check_weights_fit(16 * GIB, H200, 10 * GIB, 0.9)

@@ -168,3 +168,20 @@ def test_greedy_batch_builds_no_filter_or_penalty_tensors() -> None:
     assert batch.num_sampled == 0
     assert batch.top_ks is None and batch.top_ps is None and batch.min_ps is None
     assert batch.penalties is None and batch.banned_row_ids is None and not batch.has_logprobs
+
+
+def test_the_gpu_top_p_path_keeps_the_same_tokens_as_the_candidate_path() -> None:
+    """A GPU sorts every row in full (no read-back to find short rows); on the CPU the candidate search
+    with its fallback runs. Both must keep the same set, here for peaked and for flat rows."""
+    from services.engine.sampler import _mask_top_p_
+
+    torch.manual_seed(0)
+    peaked = torch.randn(6, 1000) * 8  # [6, 1000]: the mass sits in a few candidates
+    flat = torch.randn(6, 1000) * 0.01  # [6, 1000]: 256 candidates hold far less than top_p
+    top_ps = torch.tensor([0.05, 0.5, 0.9, 0.99, 1.0, 0.7])  # [6]
+    for logits in (peaked, flat):
+        by_candidates, by_sort = logits.clone(), logits.clone()
+        _mask_top_p_(by_candidates, top_ps, full_sort=False)
+        _mask_top_p_(by_sort, top_ps, full_sort=True)
+        assert torch.equal(by_candidates.isinf(), by_sort.isinf())
+        assert not by_sort[4].isinf().any()
