@@ -25,6 +25,15 @@ leaves the earlier ones; `summary.json` collects them):
   4 speed       per shape (llama-1b, llama-8b, bf16, random weights): decode tok/s at batch 1, 8 and 64,
                 TTFT of a 2,048-token prompt, host milliseconds per decode step
   5 baseline    transformers `generate` (eager, bf16) on the same GPU and shapes, batch 1 and 64
+  6 kernels     the Triton kernels (services/engine/ops/triton) against the float64 reference at real
+                shapes (8B decode and mixed steps, split-KV, Gemma 3 window over head size 256, GQA 7):
+                bf16 max-abs error <= 2e-2; the torch-native path's error beside it
+  7 attention   paged-decode microbenchmark (batch 64, 4k context, 8 KV heads, head size 128, bf16):
+                the kernel's KV read rate as a share of the copy bandwidth measured in the same stage,
+                against torch-native attention; the figure it is built for is >= 60%
+
+Stage 4 runs each shape once per `--attentions` entry (triton and torch: the engine with our kernels
+against torch-native attention). Default order 0,1,6,7,2,3,4,5: the cheap kernel stages first.
 
 Under 6 minutes on one H200. Exit status 0 when every stage that ran passed its checks, 1 otherwise.
 """
@@ -55,8 +64,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0, "max_position_embeddings": 8192,
     },
     "tiny": {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": True,
+        "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 256, "tie_word_embeddings": True,
         "rope_theta": 10000.0, "max_position_embeddings": 512,
     },
 }  # fmt: skip
@@ -68,6 +77,8 @@ CUDA_PATH_MODULES = (
     "services.engine.core",
     "services.engine.runner",
     "services.engine.attention",
+    "services.engine.attention_backend",
+    "services.engine.ops.triton.launch",
     "services.engine.sampler",
     "services.engine.models.llama",
     "services.engine.models.gemma3",
@@ -79,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the per-stage JSON files")
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run of stage 0)")
-    p.add_argument("--stages", default="0,1,2,3,4,5", help="comma-separated stage numbers to run")
+    p.add_argument("--stages", default="0,1,6,7,2,3,4,5", help="comma-separated stage numbers to run")
+    p.add_argument("--attentions", default="triton,torch", help="engine.attention values stage 4 compares")
     p.add_argument("--shapes", default="llama-1b,llama-8b", help="shapes for stages 4 and 5")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per batch size")
     p.add_argument("--check-shape", default="llama-1b", help="shape of stages 2 and 3 (tiny: a CPU dry run)")
@@ -116,8 +128,9 @@ def build_engine(hf_model: Any, device: str, dtype: str, **engine: Any) -> Any:
 
     config_dict = hf_model.config.to_dict()
     loaded = load_state_dict(
-        config_dict, hf_model.state_dict(), dtype=dtype, fingerprint=f"gpu-check-{id(hf_model)}"
-    )
+        config_dict, hf_model.state_dict(), dtype=dtype, fingerprint=f"gpu-check-{id(hf_model)}",
+        attention=engine.get("attention", "auto"), block_size=engine.get("block_size", 16),
+    )  # fmt: skip
     settings = {
         "engine": {"device": device, "enable_prefix_caching": False, **engine},
         "model": {"dtype": dtype},
@@ -258,22 +271,26 @@ def stage_speed(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for shape in args.shapes.split(","):
         hf = build_hf(shape, args.device, torch.bfloat16)
-        core = build_engine(
-            hf, args.device, "bfloat16", gpu_memory_utilization=0.8, max_num_batched_tokens=4096
-        )
-        vocab = SHAPES[shape]["vocab_size"]
-        length = min(2048, SHAPES[shape]["max_position_embeddings"] - 64)
-        ttft = _ttft(core, random_prompts(1, length, vocab, 3)[0])
-        row: dict[str, Any] = {f"ttft_{length}_ms": round(1000 * ttft, 1)}
-        for batch in (1, 8, 64):
-            tok_s, host_ms = _decode_rate(
-                core, random_prompts(batch, 128, vocab, 4 + batch), args.decode_steps
-            )
-            row[f"decode_tok_s_b{batch}"] = round(tok_s, 1)
-            row[f"host_ms_per_step_b{batch}"] = round(host_ms, 3)
-        results[shape] = row
-        del core, hf
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        for attention in args.attentions.split(","):
+            core = build_engine(
+                hf, args.device, "bfloat16", gpu_memory_utilization=0.8, max_num_batched_tokens=4096,
+                attention=attention,
+            )  # fmt: skip
+            vocab = SHAPES[shape]["vocab_size"]
+            length = min(2048, SHAPES[shape]["max_position_embeddings"] - 64)
+            ttft = _ttft(core, random_prompts(1, length, vocab, 3)[0])
+            row: dict[str, Any] = {"attention": type(core.runner.model.paged).__name__}
+            row[f"ttft_{length}_ms"] = round(1000 * ttft, 1)
+            for batch in (1, 8, 64):
+                tok_s, host_ms = _decode_rate(
+                    core, random_prompts(batch, 128, vocab, 4 + batch), args.decode_steps
+                )
+                row[f"decode_tok_s_b{batch}"] = round(tok_s, 1)
+                row[f"host_ms_per_step_b{batch}"] = round(host_ms, 3)
+            results[shape if attention == "auto" else f"{shape}/{attention}"] = row
+            del core
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        del hf
     return {"ok": True, **results}
 
 
@@ -351,6 +368,111 @@ def _timed(device: str, work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+# name: (rows as (context_len, new tokens), kv_heads, GQA ratio, head_dim, block_size, window); the
+# dry run (--check-shape tiny, on the CPU interpreter) divides every context by 32.
+KERNEL_CASES: dict[str, tuple[list[tuple[int, int]], int, int, int, int, int | None]] = {
+    "llama8b_decode": ([(2048, 1)] * 8, 8, 4, 128, 16, None),
+    "llama8b_mixed": ([(1500, 1)] * 4 + [(1024, 512), (300, 300)], 8, 4, 128, 16, None),
+    "llama1b_split_decode": ([(4096, 1), (3000, 1)], 8, 4, 64, 16, None),
+    "gemma3_window_d256": ([(1800, 1)] * 4 + [(900, 100)], 1, 4, 256, 16, 512),
+    "qwen7b_ratio7_block32": ([(700, 1)] * 4 + [(600, 64)], 4, 7, 128, 32, None),
+}
+
+
+def kernel_step(rows: list[tuple[int, int]], kv_heads: int, ratio: int, head_dim: int, block_size: int,
+                device: str, dtype: Any, seed: int = 0) -> tuple[Any, ...]:  # fmt: skip
+    """A step over scattered blocks: (metadata, cache, q, k, v, flat rows) with this step's K/V stored."""
+    import torch
+
+    from services.engine.attention import RowSpec, build_metadata, write_kv
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_blocks = sum(-(-ctx // block_size) for ctx, _ in rows) + 1
+    order = torch.randperm(num_blocks, device="cpu").tolist()
+    specs, taken = [], 0
+    for ctx, new in rows:
+        n = -(-ctx // block_size)
+        specs.append(RowSpec(order[taken : taken + n], ctx - new, new))
+        taken += n
+    decode = [r for r in specs if r.num_new_tokens == 1]
+    prefill = [r for r in specs if r.num_new_tokens != 1]
+    meta = build_metadata(decode, prefill, block_size, torch.device(device))
+    shape = (num_blocks * block_size, 2, kv_heads, head_dim)
+    cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    tokens = meta.num_tokens
+    q = torch.randn(tokens, kv_heads * ratio, head_dim, generator=gen, device=device).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen, device=device).to(dtype) for _ in "kv")
+    write_kv(cache, meta.slot_mapping, k, v)
+    return meta, cache, q, k, v, [*decode, *prefill]
+
+
+def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from services.engine.attention import paged_attention, reference_attention
+    from services.engine.ops.triton.dispatch import KernelSpec
+    from services.engine.ops.triton.launch import TritonAttention
+
+    shrink = 32 if args.check_shape == "tiny" else 1
+    results: dict[str, Any] = {}
+    for name, (rows, kv_heads, ratio, head_dim, block_size, window) in KERNEL_CASES.items():
+        rows = [(max(1, c // shrink), max(1, n // shrink) if n > 1 else n) for c, n in rows]
+        meta, cache, q, k, v, flat = kernel_step(rows, kv_heads, ratio, head_dim, block_size, args.device,
+                                                 torch.bfloat16)  # fmt: skip
+        attention = TritonAttention(
+            KernelSpec(torch.bfloat16, head_dim, block_size), kv_heads * ratio, kv_heads
+        )
+        got = attention.attend(q, k, v, cache, meta, window=window)
+        native = paged_attention(q, k, v, cache, meta, window=window)
+        want = reference_attention(q, cache, flat, block_size, window=window).double()
+        results[name] = {
+            "max_abs_error": float((got.double() - want).abs().max()),
+            "torch_native_max_abs_error": float((native.double() - want).abs().max()),
+            "split_kv": attention._layout(meta).split_decode,
+        }
+    ok = all(r["max_abs_error"] <= 2e-2 for r in results.values())
+    return {"ok": ok, "threshold": 2e-2, **results}
+
+
+def stage_attention(args: argparse.Namespace) -> dict[str, Any]:
+    copy = stage_copy(args)["gb_per_s"]
+    batch, ctx = (4, 128) if args.check_shape == "tiny" else (64, 4096)
+    results: dict[str, Any] = {"copy_gb_per_s": copy}
+    for label, rows, split in (("b64_auto", batch, None), ("b64_split", batch, True), ("b8_auto", 8, None)):
+        results[label] = _time_decode_attention(args, rows, ctx, split, copy)
+    target = results["b64_auto"]["triton_share_of_copy"] >= 0.6
+    return {"ok": True, "meets_60_percent": target, **results}
+
+
+def _time_decode_attention(
+    args: argparse.Namespace, batch: int, ctx: int, split: bool | None, copy_gb_per_s: float
+) -> dict[str, Any]:
+    """One layer's decode attention (8 KV heads, GQA 4, head size 128, bf16) timed for the Triton kernel
+    and for torch-native attention; the KV bytes each call must read, over its time."""
+    import torch
+
+    from services.engine.attention import paged_attention
+    from services.engine.ops.triton.dispatch import KernelSpec
+    from services.engine.ops.triton.launch import TritonAttention
+
+    meta, cache, q, k, v, _ = kernel_step([(ctx, 1)] * batch, 8, 4, 128, 16, args.device, torch.bfloat16)
+    attention = TritonAttention(KernelSpec(torch.bfloat16, 128, 16), 32, 8, split=split)
+    kv_bytes = batch * ctx * 2 * 8 * 128 * 2
+    runs = {
+        "triton": lambda: attention.attend(q, k, v, cache, meta),
+        "torch_native": lambda: paged_attention(q, k, v, cache, meta),
+    }
+    row: dict[str, Any] = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes}
+    iterations = 2 if args.check_shape == "tiny" else 20
+    for kind, run in runs.items():
+        run()
+        seconds = _timed(args.device, lambda run=run: [run() for _ in range(iterations)]) / iterations
+        row[f"{kind}_us"] = round(1e6 * seconds, 1)
+        row[f"{kind}_gb_per_s"] = round(kv_bytes / seconds / 1e9, 1)
+        row[f"{kind}_share_of_copy"] = round(kv_bytes / seconds / 1e9 / copy_gb_per_s, 3)
+    return row
+
+
 STAGES: dict[int, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = {
     0: ("smoke", stage_smoke),
     1: ("copy", stage_copy),
@@ -358,6 +480,8 @@ STAGES: dict[int, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = 
     3: ("cosine", stage_cosine),
     4: ("speed", stage_speed),
     5: ("baseline", stage_baseline),
+    6: ("kernels", stage_kernels),
+    7: ("attention", stage_attention),
 }
 
 

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# The Triton kernels' CPU tests (`engine.attention: triton` on a CPU) run under Triton's interpreter, which
+# must be on before anything imports triton (torch does, at its own import). A GPU machine keeps it off.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_GEMMA_DIR = REPO_ROOT / "models" / "gemma3-270m"

@@ -54,9 +54,11 @@ class EngineConfig(_Section):
     # On a GPU: this engine's share of the device's total memory (weights, activations, KV together);
     # workers sharing one device may take at most 0.95 between them. Unused on a CPU.
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=0.95)
-    # auto: the C kernels on a CPU (ops/kernels.c), torch-native paged attention on a GPU. torch: the
-    # torch-native path everywhere (what a GPU runs, here on the CPU: the oracle and a debugging switch).
-    attention: Literal["auto", "torch"] = "auto"
+    # auto: the C kernels on a CPU (ops/kernels.c); on a GPU the Triton kernels (ops/triton) where every
+    # layer has a specialization, else torch-native. torch: torch-native everywhere (the oracle and a
+    # debugging switch). triton: the Triton kernels, refused at load where a layer has none; on a CPU
+    # they run under Triton's interpreter (slow: tests). services/engine/attention_backend.py.
+    attention: Literal["auto", "torch", "triton"] = "auto"
 
     @field_validator("block_size")
     @classmethod

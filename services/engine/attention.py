@@ -86,6 +86,8 @@ class AttentionMetadata:
     max_context_len: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _groups: dict[tuple[bool, int | None], GroupMetadata] = field(default_factory=dict, repr=False)
+    # What an attention backend derives once per step and reuses in every layer, keyed by the backend.
+    backend_state: dict[object, object] = field(default_factory=dict, repr=False)
     _fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property

@@ -95,8 +95,11 @@ def build_core(config: KvrelayConfig) -> EngineCore:
         free_at_start, total = torch.cuda.mem_get_info(device)
         weights = stored_weight_bytes(config.model.path, config.model.dtype)
         check_weights_fit(weights, total, free_at_start, config.engine.gpu_memory_utilization)
-    cpu_kernels = config.engine.attention == "auto"
-    loaded = load_model(config.model.path, config.model.dtype, device, cpu_kernels=cpu_kernels)
+    engine = config.engine
+    model = config.model
+    loaded = load_model(
+        model.path, model.dtype, device, attention=engine.attention, block_size=engine.block_size
+    )
     return build_core_from_loaded(loaded, config, free_at_start=free_at_start)
 
 

@@ -68,10 +68,16 @@ class LoadedModel:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str, device: torch.device | None = None, *, cpu_kernels: bool = True
+    model_dir: str | Path,
+    dtype: str,
+    device: torch.device | None = None,
+    *,
+    attention: str = "auto",
+    block_size: int = 16,
 ) -> LoadedModel:
-    """Verify the directory against its manifest, then build the model on `device` (the CPU by default).
-    `cpu_kernels=False`: the torch-native path only (`engine.attention: torch`). Nothing loads from a hub."""
+    """Verify the directory against its manifest, then build the model on `device` (the CPU by default),
+    its layers on the paged attention `engine.attention` names (attention_backend.py) for KV blocks of
+    `block_size`. Nothing loads from a hub."""
     device = device or torch.device("cpu")
     path = Path(model_dir)
     if not path.is_dir():
@@ -87,7 +93,7 @@ def load_model(
             raise CorruptModelError(f"cannot read weights {file.name}: {exc}") from exc
         weights.update({name: t.to(precision.weights) for name, t in loaded.items()})
         del loaded
-    return _build(config, weights, manifest, precision, dtype, cpu_kernels)
+    return _build(config, weights, manifest, precision, dtype, attention, block_size)
 
 
 def stored_weight_bytes(model_dir: str | Path, dtype: str, device: str = "cuda") -> int:
@@ -110,6 +116,9 @@ def load_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     dtype: str = "auto",
     fingerprint: str | None = None,
+    *,
+    attention: str = "auto",
+    block_size: int = 16,
 ) -> LoadedModel:
     """A model from a transformers-style config dict and state dict in memory, without a disk round trip.
 
@@ -128,7 +137,7 @@ def load_state_dict(
         model_fingerprint=fingerprint or _state_dict_digest(config, state_dict),
         source={"kind": "state_dict"},
     )
-    return _build(model_config, weights, manifest, precision, dtype)
+    return _build(model_config, weights, manifest, precision, dtype, attention, block_size)
 
 
 def _state_dict_digest(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -145,9 +154,10 @@ def _build(
     manifest: Manifest,
     precision: Precision,
     dtype: str,
-    cpu_kernels: bool = True,
+    attention: str = "auto",
+    block_size: int = 16,
 ) -> LoadedModel:
-    model = build_model(config, weights, precision.compute, cpu_kernels=cpu_kernels)
+    model = build_model(config, weights, precision.compute, attention=attention, block_size=block_size)
     elem = torch.empty((), dtype=precision.weights).element_size()
     weight_bytes = getattr(model, "weight_bytes", sum(t.numel() for t in weights.values()) * elem)
     log.info(

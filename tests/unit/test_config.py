@@ -152,6 +152,7 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
         ("engine:\n  block_size: 24\n", "engine.block_size: must be a power of two, got 24"),
         ("server:\n  port: 70000\n", "server.port: Input should be less than or equal to 65535"),
         ("model:\n  dtype: float16\n", "model.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+        ("engine:\n  attention: flash\n", "engine.attention: Input should be 'auto', 'torch' or 'triton'"),
     ],
 )
 def test_invalid_values_refused_naming_the_settings(tmp_path: Path, text: str, expected: str) -> None:

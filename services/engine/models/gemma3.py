@@ -34,9 +34,8 @@ from services.engine.attention import (
     AttentionMetadata,
     DecodeAttention,
     kernel_decode_attention,
-    paged_attention,
-    write_kv,
 )
+from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import check_all_weights_used
 from services.engine.ops import arena
@@ -82,6 +81,7 @@ class Gemma3Model:
         dtype: torch.dtype,
         *,
         use_cpu_kernels: bool = True,
+        paged: PagedAttention | None = None,
     ) -> None:
         raw = config.raw or {}
         if raw.get("attn_logit_softcapping") is not None:
@@ -92,6 +92,7 @@ class Gemma3Model:
         if activation not in GELU_TANH:
             raise ModelLoadError(f"Gemma 3 activation {activation!r} is not supported")
         self.config = config
+        self.paged: PagedAttention = paged or TorchAttention()
         self.dtype = dtype
         cap = raw.get("final_logit_softcapping")
         self.final_logit_softcapping: float | None = None if cap is None else float(cap)
@@ -229,8 +230,8 @@ class Gemma3Model:
         qk = self._rms_norm(qk, layer.qk_norm)  # every head normalized over head_dim
         q, k = rotate(qk, cos_sin).split([heads, kv_heads], dim=1)  # q and k rotated at once
         v = qkv[:, qk_size:].view(num_tokens, kv_heads, -1)  # [num_tokens, kv_heads, head_dim]
-        write_kv(cache, meta.slot_mapping, k, v)
-        attn = paged_attention(
+        self.paged.store(cache, meta, k, v)
+        attn = self.paged.attend(
             q, k, v, cache, meta, decode_attention, window=cfg.window(i), scale=self.scale
         )  # [num_tokens, heads, head_dim]
         attn_out = linears.o(attn.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]

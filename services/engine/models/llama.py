@@ -32,9 +32,8 @@ from services.engine.attention import (
     AttentionMetadata,
     DecodeAttention,
     kernel_decode_attention,
-    paged_attention,
-    write_kv,
 )
+from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.models.config import ModelConfig
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
@@ -112,9 +111,11 @@ class LlamaModel:
         dtype: torch.dtype,
         *,
         use_cpu_kernels: bool = True,
+        paged: PagedAttention | None = None,
         small_step_max_tokens: int = SMALL_STEP_MAX_TOKENS,
     ) -> None:
         self.config = config
+        self.paged: PagedAttention = paged or TorchAttention()
         self.dtype = dtype
         self.small_step_max_tokens = small_step_max_tokens
 
@@ -249,8 +250,8 @@ class LlamaModel:
             qk = self._rms_norm(qk, layer.qk_norm)  # each head normalized over head_dim
         q, k = self.rope.rotate(qk, cos_sin).split([heads, kv_heads], dim=1)  # q and k rotated at once
         v = qkv[:, qk_size:].view(num_tokens, kv_heads, -1)  # [num_tokens, kv_heads, head_dim]
-        write_kv(cache, meta.slot_mapping, k, v)
-        attn = paged_attention(
+        self.paged.store(cache, meta, k, v)
+        attn = self.paged.attend(
             q, k, v, cache, meta, decode_attention, window=cfg.window(i)
         )  # [num_tokens, heads, head_dim]
         h = h + linears.o(attn.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]

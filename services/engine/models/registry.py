@@ -9,6 +9,7 @@ import torch
 
 from services.common.errors import ModelLoadError
 from services.engine.attention import AttentionMetadata
+from services.engine.attention_backend import choose_attention
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import Gemma3Model
 from services.engine.models.llama import LlamaModel
@@ -40,12 +41,21 @@ _FAMILIES: dict[str, type] = {
 
 
 def build_model(
-    config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, *, cpu_kernels: bool = True
+    config: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    attention: str = "auto",
+    block_size: int = 16,
 ) -> CausalLM:
-    """The family's model over `weights` (on their device). `cpu_kernels=False` keeps it on the torch path."""
+    """The family's model over `weights` (on their device), its layers on the paged attention `attention`
+    names for KV blocks of `block_size` (attention_backend.py). The C kernels run only under `auto`."""
     family = _FAMILIES.get(config.architecture)
     if family is None:
         known = ", ".join(sorted(_FAMILIES))
         raise ModelLoadError(f"architecture {config.architecture!r} is not supported (known: {known})")
-    model: CausalLM = family(config, weights, dtype, use_cpu_kernels=cpu_kernels)
+    device = next(iter(weights.values())).device if weights else torch.device("cpu")
+    paged = choose_attention(attention, config, dtype, device, block_size)
+    cpu_kernels = attention == "auto" and paged.name == "torch"
+    model: CausalLM = family(config, weights, dtype, use_cpu_kernels=cpu_kernels, paged=paged)
     return model

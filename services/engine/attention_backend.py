@@ -1,0 +1,108 @@
+"""Which paged attention a model's layers run, chosen once per model at load (`engine.attention`).
+
+- `torch`: `write_kv` and `paged_attention` of attention.py (SDPA over gathered blocks), on any device:
+  the oracle the Triton kernels are held to, and the fallback.
+- `triton`: the kernels of ops/triton (a KV store through the slot mapping, one paged kernel for
+  prefill, decode and mixed steps, split-KV decode). On a GPU they are compiled; on the CPU they run
+  under Triton's interpreter, slow, for tests and debugging: the process must start with
+  TRITON_INTERPRET=1 (it has to precede triton's import, which torch's import does). A layer the
+  dispatch table has no entry for is refused at load.
+- `auto`: on a CPU, the C kernels where they fit (ops/kernels.c) and torch-native attention otherwise;
+  on a GPU, Triton when it is installed and every layer has an entry, else torch-native (logged).
+
+A process defines the kernels once, compiled or interpreted: a later model wanting the other kind is
+refused with the reason, never silently run the wrong way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Protocol
+
+import torch
+
+from services.common.errors import ModelLoadError
+from services.engine.attention import AttentionMetadata, DecodeAttention, paged_attention, write_kv
+from services.engine.models.config import ModelConfig
+from services.engine.ops.triton.dispatch import KernelSpec, layer_keys, model_specs
+
+log = logging.getLogger(__name__)
+
+ATTENTION_CHOICES = ("auto", "torch", "triton")
+
+
+class PagedAttention(Protocol):
+    name: str
+
+    def store(self, cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's k, v [num_tokens, kv_heads, head_dim] through `meta.slot_mapping`."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        decode_attention: DecodeAttention | None = None,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim] over the cache (k, v already stored) -> q's shape."""
+        ...
+
+
+class TorchAttention:
+    """attention.py's `write_kv` and `paged_attention`, which already have the protocol's signatures."""
+
+    name = "torch"
+
+    def store(self, cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_kv(cache, meta.slot_mapping, k, v)
+
+    attend = staticmethod(paged_attention)
+
+
+def choose_attention(
+    choice: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
+) -> PagedAttention:
+    """The backend `choice` (auto | torch | triton) gives for this model; see the module docstring."""
+    if choice not in ATTENTION_CHOICES:
+        raise ModelLoadError(f"engine.attention {choice!r} is not one of {', '.join(ATTENTION_CHOICES)}")
+    if choice == "torch" or (choice == "auto" and device.type == "cpu"):
+        return TorchAttention()
+    specs = model_specs(config, dtype, block_size)
+    reason = None
+    if specs is None or len(set(specs)) != 1:
+        missing = sorted({str(k) for k in layer_keys(config, dtype, block_size)})
+        reason = f"no Triton kernel specialization for {', '.join(missing)}"
+    elif importlib.util.find_spec("triton") is None:
+        reason = "triton is not installed"
+    if reason is not None:
+        if choice == "triton":
+            raise ModelLoadError(f"engine.attention: triton: {reason}")
+        log.info("Triton attention unavailable, using torch-native attention", extra={"reason": reason})
+        return TorchAttention()
+    assert specs is not None
+    return _triton_backend(specs[0], config, device)
+
+
+def _triton_backend(spec: KernelSpec, config: ModelConfig, device: torch.device) -> PagedAttention:
+    from services.engine.ops.triton import kernels
+    from services.engine.ops.triton.launch import TritonAttention
+
+    interpret = device.type == "cpu"
+    if interpret and not (kernels.INTERPRETED and kernels.LIBRARY_INTERPRETED):
+        raise ModelLoadError(
+            "engine.attention: triton on a CPU runs Triton's interpreter, which must be on before torch "
+            "loads: start the process with TRITON_INTERPRET=1 (or set engine.attention: torch)"
+        )
+    if not interpret and kernels.INTERPRETED:
+        raise ModelLoadError(
+            f"this process runs Triton's interpreter (TRITON_INTERPRET=1): a model on {device} cannot "
+            "use compiled kernels; unset it, or set engine.attention: torch"
+        )
+    return TritonAttention(spec, config.num_heads, config.num_kv_heads)
