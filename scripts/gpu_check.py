@@ -33,7 +33,9 @@ leaves the earlier ones; `summary.json` collects them):
                 against torch-native attention; the figure it is built for is >= 60%
 
 Stage 4 runs each shape once per `--attentions` entry (triton and torch: the engine with our kernels
-against torch-native attention). Default order 0,1,6,7,2,3,4,5: the cheap kernel stages first.
+against torch-native attention), with steps overlapped (the GPU default), and once more for the first
+entry without overlap (`<shape>/<attention>/no_overlap`, decode at batch 1 and 64). Default order
+0,1,6,7,2,3,4,5: the cheap kernel stages first.
 
 Under 6 minutes on one H200. Exit status 0 when every stage that ran passed its checks, 1 otherwise.
 """
@@ -271,27 +273,35 @@ def stage_speed(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for shape in args.shapes.split(","):
         hf = build_hf(shape, args.device, torch.bfloat16)
-        for attention in args.attentions.split(","):
+        first = args.attentions.split(",")[0]
+        runs = [(a, None) for a in args.attentions.split(",")] + [(first, False)]
+        for attention, overlap in runs:
             core = build_engine(
                 hf, args.device, "bfloat16", gpu_memory_utilization=0.8, max_num_batched_tokens=4096,
-                attention=attention,
+                attention=attention, overlap=overlap,
             )  # fmt: skip
-            vocab = SHAPES[shape]["vocab_size"]
-            length = min(2048, SHAPES[shape]["max_position_embeddings"] - 64)
-            ttft = _ttft(core, random_prompts(1, length, vocab, 3)[0])
-            row: dict[str, Any] = {"attention": type(core.runner.model.paged).__name__}
-            row[f"ttft_{length}_ms"] = round(1000 * ttft, 1)
-            for batch in (1, 8, 64):
-                tok_s, host_ms = _decode_rate(
-                    core, random_prompts(batch, 128, vocab, 4 + batch), args.decode_steps
-                )
-                row[f"decode_tok_s_b{batch}"] = round(tok_s, 1)
-                row[f"host_ms_per_step_b{batch}"] = round(host_ms, 3)
-            results[shape if attention == "auto" else f"{shape}/{attention}"] = row
+            key = shape if attention == "auto" else f"{shape}/{attention}"
+            results[key + ("/no_overlap" if overlap is False else "")] = _speed_row(
+                args, core, shape, full=overlap is None
+            )
             del core
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del hf
     return {"ok": True, **results}
+
+
+def _speed_row(args: argparse.Namespace, core: Any, shape: str, *, full: bool) -> dict[str, Any]:
+    """TTFT of a long prompt (when `full`) and decode rates; without `full`, decode at batch 1 and 64."""
+    vocab = SHAPES[shape]["vocab_size"]
+    row: dict[str, Any] = {"attention": type(core.runner.model.paged).__name__, "overlap": core.overlap}
+    if full:
+        length = min(2048, SHAPES[shape]["max_position_embeddings"] - 64)
+        row[f"ttft_{length}_ms"] = round(1000 * _ttft(core, random_prompts(1, length, vocab, 3)[0]), 1)
+    for batch in (1, 8, 64) if full else (1, 64):
+        tok_s, host_ms = _decode_rate(core, random_prompts(batch, 128, vocab, 4 + batch), args.decode_steps)
+        row[f"decode_tok_s_b{batch}"] = round(tok_s, 1)
+        row[f"host_ms_per_step_b{batch}"] = round(host_ms, 3)
+    return row
 
 
 def _ttft(core: Any, prompt: list[int]) -> float:

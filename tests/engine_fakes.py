@@ -26,8 +26,8 @@ from services.engine.core import EngineCore
 from services.engine.factory import assemble_core
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.models.config import ModelConfig
-from services.engine.request import Request, SeqId, TokenLogprob
-from services.engine.runner_protocol import Runner, StepResult
+from services.engine.request import PLACEHOLDER, Request, SeqId, TokenLogprob
+from services.engine.runner_protocol import PendingStep, Runner, StepResult
 from services.engine.scheduler import SchedulerOutput
 
 # The shape of tests/tiny_model.py's tiny Llama, so KV budgets plan the same number of blocks.
@@ -91,6 +91,9 @@ class FakeRunner:
         self.num_forwards = 0
         self._rng = random.Random(seed)
         self._before_forward: Callable[[], None] | None = None
+        self._previous: dict[SeqId, int] = {}  # the last launch's tokens, for placeholder inputs
+        # ("launch", n) and ("collect", n) in the order they happened, n counting launches from 1
+        self.events: list[tuple[str, int]] = []
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -108,18 +111,29 @@ class FakeRunner:
         self._before_forward = hook
 
     def execute(self, step: SchedulerOutput) -> StepResult:
+        return self.launch(step).collect()
+
+    def launch(self, step: SchedulerOutput) -> PendingStep:
+        """Computes the step at once; a PLACEHOLDER input takes the token the last launch sampled."""
         if self._before_forward is not None:
             self._before_forward()
         self.num_forwards += 1
+        number = self.num_forwards
+        self.events.append(("launch", number))
         for chunk in step.chunks:
             request, start = chunk.request, chunk.start_position
             end = start + chunk.num_new_tokens
             for position in range(start, end):
-                self.slots[self._slot(request.block_ids, position)] = (request.token_ids[position], position)
+                token_id = request.token_ids[position]
+                if token_id == PLACEHOLDER:
+                    token_id = self._previous[request.seq_id]
+                self.slots[self._slot(request.block_ids, position)] = (token_id, position)
             self.computed.append(Computed(request.seq_id, start, end, tuple(request.block_ids)))
         if self.step_seconds:
             time.sleep(self.step_seconds)
-        return StepResult({c.request.seq_id: self._sample(c.request) for c in step.chunks if c.samples})
+        sampled = {c.request.seq_id: self._sample(c.request) for c in step.chunks if c.samples}
+        self._previous = {seq_id: token.token_id for seq_id, token in sampled.items()}
+        return _FakePending(self, number, StepResult(sampled))
 
     def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         self.kv_reads.append(KVCopy(tuple(block_ids), start, end))
@@ -179,6 +193,17 @@ class FakeRunner:
         if params.logprobs is None:
             return TokenLogprob(token_id, 0.0)
         return TokenLogprob(token_id, FAKE_LOGPROB, [(token_id, FAKE_LOGPROB)][: params.logprobs])
+
+
+@dataclass
+class _FakePending:
+    runner: FakeRunner
+    number: int
+    result: StepResult
+
+    def collect(self) -> StepResult:
+        self.runner.events.append(("collect", self.number))
+        return self.result
 
 
 def _banned(request: Request) -> set[int]:

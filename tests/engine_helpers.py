@@ -10,7 +10,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.sampling import SamplingParams
-from services.engine.core import EngineCore
+from services.engine.core import EngineCore, RequestOutput
 from services.engine.request import TokenLogprob
 
 
@@ -28,14 +28,21 @@ def make_engine(
     return EngineCore.from_config(cfg)
 
 
+def drain(engine: EngineCore, check_invariants: bool = True) -> list[RequestOutput]:
+    """Step until idle, checking the block pool's invariants after each step; every output, in order."""
+    outputs: list[RequestOutput] = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+        if check_invariants:
+            engine.check_invariants()
+    return outputs
+
+
 def run_samples(engine: EngineCore, check_invariants: bool = True) -> dict[tuple[str, int], list[int]]:
     """Step until idle; return output token IDs keyed by (request ID, sample index)."""
     outputs: dict[tuple[str, int], list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
-        if check_invariants:
-            engine.check_invariants()
+    for out in drain(engine, check_invariants):
+        outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
     return outputs
 
 

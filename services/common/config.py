@@ -59,6 +59,10 @@ class EngineConfig(_Section):
     # debugging switch). triton: the Triton kernels, refused at load where a layer has none; on a CPU
     # they run under Triton's interpreter (slow: tests). services/engine/attention_backend.py.
     attention: Literal["auto", "torch", "triton"] = "auto"
+    # Launch step t+1 before reading back step t's tokens, so the host schedules and prepares t+1 while
+    # t runs on the device (services/engine/core.py). None: on a GPU only (on a CPU the forward runs on
+    # the host itself, so overlapping only delays each token by a step).
+    overlap: bool | None = None
 
     @field_validator("block_size")
     @classmethod

@@ -52,6 +52,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling reads the tokens seen so far (repetition, frequency or presence)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidSamplingError, naming the parameter, for the first value out of range.
 

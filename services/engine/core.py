@@ -1,6 +1,10 @@
 """The engine core: a plain synchronous loop. Token IDs and sampling parameters in, token IDs out.
 
 step(): schedule -> run the model -> append sampled tokens, check stops, free finished requests.
+With `overlap` (the default on a GPU), a step launches step t+1 before it reads back step t's tokens, so
+the host schedules and prepares t+1 while t runs on the device: t+1 takes t's tokens on the device, and
+a sequence t ends (a stop token) has computed one token too many, which is dropped. Rows with penalties
+need their tokens on the host, so a step that has them waits for t first. step() returns t's outputs.
 The core is handed its parts (a scheduler over a KV cache manager and block pool, and a `Runner`);
 `from_config` builds them from a model directory (factory.py), tests put a fake runner in.
 """
@@ -28,8 +32,8 @@ from services.engine.block_pool import BlockPoolStats, KVEvent
 from services.engine.kv_export import KVExport, KVTransferError
 from services.engine.models.config import ModelConfig
 from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
-from services.engine.runner_protocol import Runner
-from services.engine.scheduler import Scheduler
+from services.engine.runner_protocol import PendingStep, Runner
+from services.engine.scheduler import PendingToken, Scheduler, StepUpdate
 
 __all__ = ["EngineCore", "EngineStats", "KVExport", "KVTransferError", "RequestOutput"]
 
@@ -50,6 +54,19 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.kv is not None
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose tokens are not read back yet."""
+
+    pending: PendingStep
+    tokens: list[PendingToken]
+
+    @property
+    def needs_tokens_on_host(self) -> bool:
+        """A sequence with penalties reads its output tokens on the host when it is sampled next."""
+        return any(t.request.params.has_penalties for t in self.tokens)
 
 
 @dataclass(frozen=True)
@@ -76,9 +93,10 @@ class EngineCore:
         runner: Runner,
         *,
         max_model_len: int,
+        overlap: bool = False,
     ) -> None:
         """`scheduler` brings the KV cache manager and block pool it schedules over; `runner` computes
-        steps over KV blocks of the same pool and block size."""
+        steps over KV blocks of the same pool and block size. `overlap`: see the module docstring."""
         self.model_config = model_config
         self.manifest = manifest
         self.scheduler = scheduler
@@ -93,6 +111,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.num_steps = 0
         self.num_aborted = 0
+        self.overlap = overlap
+        self._in_flight: _InFlight | None = None
 
     @classmethod
     def from_config(cls, config: KvrelayConfig) -> EngineCore:
@@ -269,17 +289,38 @@ class EngineCore:
         return [_ended(r, FinishReason.ABORT) for r in samples]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._overlapped_step()
         step = self.scheduler.schedule()
         if step.is_empty:
             return []
         result = self.runner.execute(step)
         self.num_steps += 1
-        updates = self.scheduler.update(step, result.sampled)
+        return self._outputs(self.scheduler.update(step, result.sampled))
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Launch step t+1, then read back step t (the one launched by the previous call)."""
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        if previous is not None and previous.needs_tokens_on_host:
+            outputs, previous = self._collect(previous), None
+        step = self.scheduler.schedule()
+        if not step.is_empty:
+            pending = self.runner.launch(step)
+            self.num_steps += 1
+            self._in_flight = _InFlight(pending, self.scheduler.advance(step))
+        return outputs + (self._collect(previous) if previous is not None else [])
+
+    def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
+        sampled = in_flight.pending.collect().sampled
+        return self._outputs(self.scheduler.resolve(in_flight.tokens, sampled))
+
+    def _outputs(self, updates: list[StepUpdate]) -> list[RequestOutput]:
         return [self._output(u.request, u.token, u.finish_reason) for u in updates]
 
     def set_before_forward(self, hook: Callable[[], None] | None) -> None:

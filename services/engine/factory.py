@@ -82,7 +82,9 @@ def assemble_core(
         num_blocks = plan_blocks(spec, max_model_len)
     runner = runner_for(spec, num_blocks)
     scheduler = build_scheduler(config, engine, num_blocks, batch_size_limit, device)
-    return EngineCore(config, manifest, scheduler, runner, max_model_len=max_model_len)
+    on_gpu = device is not None and device.type == "cuda"
+    overlap = on_gpu if engine.overlap is None else engine.overlap
+    return EngineCore(config, manifest, scheduler, runner, max_model_len=max_model_len, overlap=overlap)
 
 
 def build_core(config: KvrelayConfig) -> EngineCore:

@@ -36,6 +36,10 @@ class TokenLogprob:
 # A sequence's key inside the engine: (the caller's request ID, the sample's index among its n).
 SeqId = tuple[str, int]
 
+# Stands in `token_ids` for a token sampled by a step still running on the device (overlapped steps,
+# core.py): the next step reads its value on the device, and `resolve_token` writes it once known.
+PLACEHOLDER = -1
+
 
 @dataclass
 class Request:
@@ -65,6 +69,7 @@ class Request:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     has_been_admitted: bool = field(default=False, init=False)  # set once, by `record_admission`
+    num_pending_tokens: int = 0  # trailing PLACEHOLDERs in token_ids (sampled, not yet read back)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -122,10 +127,35 @@ class Request:
         self.token_ids.append(token_id)
         self.block_hasher.update(self.token_ids)
 
-    def check_stop(self) -> FinishReason | None:
-        """The finish reason after the last appended token, or None to keep going."""
-        last = self.token_ids[-1]
-        num_out = self.num_output_tokens
+    def append_placeholder(self) -> None:
+        """A token was sampled on the device and is not read back yet: hold its place (not hashed)."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_pending_tokens += 1
+
+    def resolve_token(self, index: int, token_id: int) -> None:
+        """The token at `index` (the oldest placeholder) is known now: write it and hash what is known."""
+        self.token_ids[index] = token_id
+        self.num_pending_tokens -= 1
+        known = self.token_ids if not self.num_pending_tokens else self.token_ids[: -self.num_pending_tokens]
+        self.block_hasher.update(known)
+
+    @property
+    def ends_when_resolved(self) -> bool:
+        """True when a pending token ends this sequence whatever its value (its length, or a prefill
+        replica's one token), so a next step need not compute past it."""
+        if not self.num_pending_tokens:
+            return False
+        return (
+            self.export_kv_from is not None
+            or self.num_output_tokens >= self.params.max_tokens
+            or bool(self.max_model_len and self.num_tokens >= self.max_model_len)
+        )
+
+    def check_stop(self, index: int | None = None) -> FinishReason | None:
+        """The finish reason once the token at `index` (default: the last) is in, or None to go on."""
+        index = self.num_tokens - 1 if index is None else index
+        last = self.token_ids[index]
+        num_out = index + 1 - self.num_prompt_tokens
         stops = last in self.params.stop_token_ids or (
             not self.params.ignore_eos and last in self.eos_token_ids
         )
@@ -133,6 +163,6 @@ class Request:
             return FinishReason.STOP
         if num_out >= self.params.max_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len and self.num_tokens >= self.max_model_len:
+        if self.max_model_len and index + 1 >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -8,15 +8,44 @@ and logprobs stay on the device, and the sampled token IDs coming back are the s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.models.registry import CausalLM
-from services.engine.request import Request, SeqId, TokenLogprob
-from services.engine.runner_protocol import StepResult
-from services.engine.sampler import SamplingBatch, SamplingRow, sample
+from services.engine.request import PLACEHOLDER, Request, SeqId, TokenLogprob
+from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
+from services.engine.sampler import DeviceSample, SamplingBatch, SamplingRow, sample_on_device
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class _Sampled:
+    """The last launch's picks on the device, by sequence: where the next launch reads placeholders."""
+
+    token_ids: torch.Tensor  # [num_samples] int64
+    rows: dict[SeqId, int]
+
+
+@dataclass
+class _PendingSample:
+    """A launched step's picks on their way to host memory; `collect` waits for them."""
+
+    sample: DeviceSample
+    seq_ids: list[SeqId]
+    copied: torch.cuda.Event | None  # recorded after the copies were queued; None on a CPU
+
+    def collect(self) -> StepResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        out = self.sample.to_host()
+        result: dict[SeqId, TokenLogprob] = {}
+        for i, seq_id in enumerate(self.seq_ids):
+            logprob = out.logprobs[i] if out.logprobs is not None else 0.0
+            top = out.top_logprobs[i] if out.top_logprobs is not None else []
+            result[seq_id] = TokenLogprob(out.token_ids[i], logprob, top)
+        return StepResult(result)
 
 
 class ModelRunner:
@@ -32,6 +61,7 @@ class ModelRunner:
         # async engine hands out the previous step's outputs there, so the service threads do their
         # Python work while the forward runs without the GIL instead of stalling the step's set-up.
         self._before_forward: Callable[[], None] | None = None
+        self._previous: _Sampled | None = None
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -49,6 +79,9 @@ class ModelRunner:
         self._before_forward = hook
 
     def execute(self, step: SchedulerOutput) -> StepResult:
+        return self.launch(step).collect()
+
+    def launch(self, step: SchedulerOutput) -> PendingStep:
         decode = [c for c in step.chunks if c.num_new_tokens == 1]
         prefill = [c for c in step.chunks if c.num_new_tokens > 1]
         ordered = decode + prefill
@@ -67,18 +100,45 @@ class ModelRunner:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_chunks.append(chunk)
         token_tensor = to_device(token_ids, self.device)  # [num_tokens]
+        self._fill_placeholders(token_tensor, token_ids, ordered)
         indices = to_device(logits_indices, self.device)  # [num_samples]
         if self._before_forward is not None:
             self._before_forward()
-        logits = self.model.forward(
-            token_tensor,
-            self.kv_caches,
-            meta,
-            indices,
-        )  # [num_samples, vocab]
+        logits = self.model.forward(token_tensor, self.kv_caches, meta, indices)  # [num_samples, vocab]
         if not sampling_chunks:
-            return StepResult({})
-        return StepResult(self._sample(logits, [c.request for c in sampling_chunks]))
+            self._previous = None
+            return ReadyStep(StepResult({}))
+        requests = [c.request for c in sampling_chunks]
+        picks = self._sample(logits, requests)
+        seq_ids = [r.seq_id for r in requests]
+        self._previous = _Sampled(picks.token_ids, {seq_id: i for i, seq_id in enumerate(seq_ids)})
+        copied = None
+        host = picks.copy_to_host()
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return _PendingSample(host, seq_ids, copied)
+
+    def _fill_placeholders(
+        self, token_tensor: torch.Tensor, token_ids: list[int], chunks: list[ScheduledChunk]
+    ) -> None:
+        """Write the previous launch's picks (still on the device) over this step's PLACEHOLDER inputs."""
+        if PLACEHOLDER not in token_ids:
+            return
+        positions, rows = [], []
+        offset = 0
+        previous = self._previous
+        for chunk in chunks:
+            for i in range(chunk.num_new_tokens):
+                if token_ids[offset + i] == PLACEHOLDER:
+                    if previous is None or chunk.request.seq_id not in previous.rows:
+                        raise RuntimeError(f"{chunk.request.seq_id} has a placeholder no launch sampled")
+                    positions.append(offset + i)
+                    rows.append(previous.rows[chunk.request.seq_id])
+            offset += chunk.num_new_tokens
+        assert previous is not None
+        sources = to_device(rows, self.device)  # [num_placeholders]
+        token_tensor[to_device(positions, self.device)] = previous.token_ids[sources]
 
     def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """A copy of the KV at positions start..end-1: [num_layers, end - start, 2, kv_heads, head_dim]."""
@@ -100,7 +160,7 @@ class ModelRunner:
         bs = self.block_size
         return to_device([block_ids[p // bs] * bs + p % bs for p in range(start, end)], self.device)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[SeqId, TokenLogprob]:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
         rows = [
             SamplingRow(
                 params=r.params,
@@ -111,13 +171,7 @@ class ModelRunner:
             for r in requests
         ]
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        out = sample(logits[:, : self.vocab_size], batch, self.generator)
-        result: dict[SeqId, TokenLogprob] = {}
-        for i, req in enumerate(requests):
-            logprob = out.logprobs[i] if out.logprobs is not None else 0.0
-            top = out.top_logprobs[i] if out.top_logprobs is not None else []
-            result[req.seq_id] = TokenLogprob(out.token_ids[i], logprob, top)
-        return result
+        return sample_on_device(logits[:, : self.vocab_size], batch, self.generator)
 
 
 def _row(chunk: ScheduledChunk) -> RowSpec:

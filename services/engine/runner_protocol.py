@@ -23,6 +23,24 @@ class StepResult:
     sampled: dict[SeqId, TokenLogprob]
 
 
+class PendingStep(Protocol):
+    """A launched step whose sampled tokens may still be on the device."""
+
+    def collect(self) -> StepResult:
+        """Wait for the step's tokens and read them back (the step's one host synchronisation)."""
+        ...
+
+
+@dataclass
+class ReadyStep:
+    """A step that finished at launch (a synchronous runner): `collect` returns its result."""
+
+    result: StepResult
+
+    def collect(self) -> StepResult:
+        return self.result
+
+
 class Runner(Protocol):
     """Computes a scheduled step over the paged KV cache and samples; moves KV in and out of blocks."""
 
@@ -47,6 +65,11 @@ class Runner(Protocol):
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Write the KV of every scheduled chunk into its blocks and sample where a chunk samples."""
+        ...
+
+    def launch(self, step: SchedulerOutput) -> PendingStep:
+        """`execute` without waiting for the sampled tokens. A token of the step's inputs that is a
+        PLACEHOLDER (request.py) was sampled by the previous launch: its value is read on the device."""
         ...
 
     def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ from services.engine.sampling_batch import (
 _NUM_TOP_P_CANDIDATES = 256
 
 __all__ = [
+    "DeviceSample",
     "PenaltyTensors",
     "SamplerOutput",
     "SamplingBatch",
@@ -58,6 +59,7 @@ __all__ = [
     "compute_probs",
     "derive_seed",
     "sample",
+    "sample_on_device",
 ]
 
 
@@ -70,8 +72,50 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+@dataclass
+class DeviceSample:
+    """One step's picks as tensors where they were computed: `to_host` reads them into a SamplerOutput."""
+
+    token_ids: Tensor  # [num_seqs] int64
+    logprobs: Tensor | None  # [num_seqs] the chosen tokens' logprobs; None when no row asked
+    top_values: Tensor | None  # [num_seqs, max_k] the most likely logprobs; None when no row asked for k > 0
+    top_ids: Tensor | None  # [num_seqs, max_k]
+    num_logprobs: list[int | None]
+
+    def copy_to_host(self) -> DeviceSample:
+        """The same picks, copying to pinned host memory without waiting (the caller records an event
+        to wait on); on a CPU, itself."""
+        if self.token_ids.device.type == "cpu":
+            return self
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        token_ids = self.token_ids.to("cpu", non_blocking=True)
+        return DeviceSample(
+            token_ids, move(self.logprobs), move(self.top_values), move(self.top_ids), self.num_logprobs
+        )
+
+    def to_host(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
+        top_logprobs: list[list[tuple[int, float]]] = [[] for _ in self.num_logprobs]
+        if self.top_values is not None and self.top_ids is not None:
+            values, ids = self.top_values.tolist(), self.top_ids.tolist()
+            for i, k in enumerate(self.num_logprobs):
+                if k:
+                    top_logprobs[i] = list(zip(ids[i][:k], values[i][:k], strict=True))
+        return SamplerOutput(token_ids=token_ids, logprobs=self.logprobs.tolist(), top_logprobs=top_logprobs)
+
+
 def sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
     """Pick one token per row of `logits` [num_seqs, vocab_size]. `generator` serves unseeded rows."""
+    return sample_on_device(logits, batch, generator).to_host()
+
+
+def sample_on_device(logits: Tensor, batch: SamplingBatch, generator: torch.Generator) -> DeviceSample:
+    """`sample` without reading anything back: the picks stay on the logits' device."""
     _check_logits(logits, batch)
     logits = logits.float()  # [num_seqs, vocab_size]
     penalised = _penalise(logits, batch)  # [num_seqs, vocab_size]
@@ -81,9 +125,8 @@ def sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator) -> 
         q = _exponentials(batch, probs.device, generator)  # [num_sampled, vocab_size]
         token_ids[batch.sampled_row_ids] = (probs / q).argmax(dim=-1)
     if not batch.has_logprobs:
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
-    logprobs, top_logprobs = _gather_logprobs(logits, token_ids, batch.num_logprobs)
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+        return DeviceSample(token_ids, None, None, None, batch.num_logprobs)
+    return _gather_logprobs(logits, token_ids, batch.num_logprobs)
 
 
 def compute_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -219,18 +262,12 @@ def _exponentials(batch: SamplingBatch, device: torch.device, generator: torch.G
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def _gather_logprobs(
-    logits: Tensor, token_ids: Tensor, num_logprobs: list[int | None]
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Chosen-token logprobs for every row and the top k for rows that asked, from the raw logits."""
+def _gather_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: list[int | None]) -> DeviceSample:
+    """Chosen-token logprobs for every row and the top k (the largest k asked) from the raw logits."""
     logprobs = logits.log_softmax(dim=-1)  # [num_seqs, vocab_size]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in num_logprobs]
     max_k = max((k or 0) for k in num_logprobs)
-    if max_k > 0:
-        top_values, top_ids = logprobs.topk(max_k, dim=-1)  # [num_seqs, max_k]
-        values, ids = top_values.tolist(), top_ids.tolist()
-        for i, k in enumerate(num_logprobs):
-            if k:
-                top_logprobs[i] = list(zip(ids[i][:k], values[i][:k], strict=True))
-    return chosen.tolist(), top_logprobs
+    if max_k == 0:
+        return DeviceSample(token_ids, chosen, None, None, num_logprobs)
+    top_values, top_ids = logprobs.topk(max_k, dim=-1)  # [num_seqs, max_k]
+    return DeviceSample(token_ids, chosen, top_values, top_ids, num_logprobs)

@@ -7,6 +7,11 @@ Running requests go first, in priority order; when a running request cannot grow
 lowest-priority request not yet scheduled this step is preempted (its blocks are freed and it will be
 recomputed, mostly from the prefix cache). Waiting requests are admitted while the budget, the
 sequence cap and the KV pool allow, and only in steps that preempted nothing.
+
+A step's results land in two parts: `advance` once it is launched (its chunks are computed; each sampled
+token is a placeholder), `resolve` once its tokens are read back (tokens in, stops checked). `update`
+does both at once. Between them the next step may be scheduled (core.py overlaps the two): it computes
+each placeholder from the device, and skips a sequence that a pending token ends whatever it is.
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
         return self.start_position + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class PendingToken:
+    """A sampled token not read back yet: its sequence, and its index in the sequence's token_ids."""
+
+    request: Request
+    index: int
 
 
 @dataclass(frozen=True)
@@ -123,7 +136,7 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
                 break
-            if request.seq_id in out.preempted_ids:
+            if request.seq_id in out.preempted_ids or request.ends_when_resolved:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._grow_or_preempt(request, num_new, scheduled, out):
@@ -184,20 +197,40 @@ class Scheduler:
 
     def update(self, step: SchedulerOutput, sampled: Mapping[SeqId, TokenLogprob]) -> list[StepUpdate]:
         """Advance each scheduled request past its chunk, append sampled tokens and finish the done."""
-        updates = []
+        return self.resolve(self.advance(step), sampled)
+
+    def advance(self, step: SchedulerOutput) -> list[PendingToken]:
+        """A launched step's chunks are computed: move each request past its chunk, commit its full
+        blocks, and hold a placeholder for each token the step samples. Returns those placeholders."""
+        pending = []
         for chunk in step.chunks:
             request = chunk.request
+            samples = chunk.samples  # read before the placeholder changes the request's length
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.commit(request)
             self.kv.free_out_of_window(request)
-            token = sampled.get(request.seq_id)
-            if token is None:
+            if samples:
+                pending.append(PendingToken(request, request.num_tokens))
+                request.append_placeholder()
+        return pending
+
+    def resolve(self, pending: list[PendingToken], sampled: Mapping[SeqId, TokenLogprob]) -> list[StepUpdate]:
+        """A step's sampled tokens are read back: write them over their placeholders, check stops and
+        finish the done. A sequence that ended meanwhile (aborted, or stopped by an earlier token) is
+        skipped; one preempted meanwhile takes its token and is recomputed with it."""
+        updates = []
+        for item in pending:
+            request, token = item.request, sampled.get(item.request.seq_id)
+            if request.is_finished:
                 continue
-            request.append_token(token.token_id)
+            if token is None:
+                raise RuntimeError(f"the runner sampled no token for {request.seq_id}")
+            request.resolve_token(item.index, token.token_id)
+            self.kv.commit(request)
             self.num_generated_tokens += 1
             if request.params.logprobs is not None:
                 request.logprobs.append(token)
-            reason = request.check_stop()
+            reason = request.check_stop(item.index)
             if reason is not None:
                 self.finish(request, reason)
             updates.append(StepUpdate(request, token, reason))

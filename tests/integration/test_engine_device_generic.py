@@ -94,3 +94,35 @@ def test_the_weight_bytes_a_device_is_checked_for_come_from_the_headers(tmp_path
     assert stored_weight_bytes(model_dir, "float32", "cpu") == numel * 4
     assert stored_weight_bytes(model_dir, "bfloat16", "cuda") == numel * 2
     assert load_model(model_dir, "float32").manifest.model_fingerprint
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_overlapped_steps_give_the_same_tokens_on_the_model_runner(family: str, tmp_path: Path) -> None:
+    """`engine.overlap` on the real runner: each step's placeholders are filled from the last launch's
+    picks on the device (here CPU tensors), through a preemption and a prefix hit."""
+    model_dir = FAMILIES[family](tmp_path / family)
+    tight: dict[str, Any] = {"block_size": 8, "kv_cache_memory_mb": 1, "max_model_len": 256}
+    plain = make_engine(model_dir, "float32", attention="torch", **tight)
+    overlapped = make_engine(model_dir, "float32", attention="torch", overlap=True, **tight)
+    assert overlapped.overlap and not plain.overlap
+    assert serve(overlapped) == serve(plain)
+    assert overlapped.stats().num_preemptions >= 1
+    assert overlapped.stats().kv_blocks.num_active == 0
+
+
+def test_overlapped_steps_keep_seeded_draws_logprobs_and_stops(tmp_path: Path) -> None:
+    model_dir = make_tiny_llama(tmp_path / "llama")
+    params = SamplingParams(
+        temperature=0.8, seed=5, max_tokens=40, logprobs=2, stop_token_ids=tuple(range(100, 128))
+    )
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(model_dir, "float32", overlap=overlap)
+        for request_id, prompt in list(prompts().items())[:6]:
+            engine.add_request(request_id, prompt, params)
+        outputs = []
+        while engine.has_work():
+            outputs += [(o.request_id, o.new_token_ids, o.logprobs, o.finish_reason) for o in engine.step()]
+        results.append(sorted(outputs, key=lambda o: o[0]))
+    assert results[1] == results[0]
+    assert any(reason is not None and reason.value == "stop" for *_, reason in results[0])

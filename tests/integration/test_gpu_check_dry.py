@@ -42,6 +42,7 @@ def test_a_dry_run_on_the_cpu_writes_every_stage(tmp_path: Path) -> None:
     assert min(summary["3_cosine"]["cosines"]) >= 0.999
     speed = summary["4_speed"]["tiny"]
     assert all(speed[f"decode_tok_s_b{b}"] > 0 for b in (1, 8, 64))
+    assert summary["4_speed"]["tiny/no_overlap"]["decode_tok_s_b64"] > 0
     kernels = summary["6_kernels"]  # under the interpreter (TRITON_INTERPRET=1 from conftest.py)
     assert kernels["ok"] and kernels["llama1b_split_decode"]["split_kv"] is False  # shrunk: too short
     assert all(kernels[case]["max_abs_error"] <= 2e-2 for case in kernels if isinstance(kernels[case], dict))

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import pytest
 
 from services.common.sampling import SamplingParams
-from services.engine.core import EngineCore, RequestOutput
+from services.engine.core import EngineCore
 from services.engine.kv_export import KVExport, KVTransferError
 from services.engine.request import FinishReason, TokenLogprob
 from tests.engine_fakes import fake_runner, make_fake_engine
-from tests.engine_helpers import generate, run_to_completion
+from tests.engine_helpers import drain, generate, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = {
@@ -32,18 +32,10 @@ def engine_for() -> EngineCore:
 def prefill(engine: EngineCore, request_id: str, prompt: Sequence[int], params: SamplingParams,
             skip: int) -> tuple[TokenLogprob, KVExport]:  # fmt: skip
     engine.add_request(request_id, prompt, params, export_kv_from=skip)
-    outputs = [out for out in _drain(engine)]
+    outputs = [out for out in drain(engine)]
     assert len(outputs) == 1 and outputs[0].kv is not None and outputs[0].finish_reason is None
     logprob = outputs[0].logprobs[0].logprob if outputs[0].logprobs else 0.0
     return TokenLogprob(outputs[0].new_token_ids[0], logprob), outputs[0].kv
-
-
-def _drain(engine: EngineCore) -> list[RequestOutput]:
-    outputs = []
-    while engine.has_work():
-        outputs.extend(engine.step())
-        engine.check_invariants()
-    return outputs
 
 
 def assert_idle(engine: EngineCore) -> None:
@@ -141,7 +133,7 @@ def test_first_token_that_ends_the_request_exports_nothing() -> None:
     producer = engine_for()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     producer.add_request("r", PROMPTS["short"], params, export_kv_from=0)
-    (output,) = _drain(producer)
+    (output,) = drain(producer)
     assert output.kv is None and output.finish_reason is not None
     assert_idle(producer)
 
