@@ -20,7 +20,8 @@ leaves the earlier ones; `summary.json` collects them):
   0 smoke       imports every CUDA-path module, runs a 2-layer random model for 8 tokens (< 30 s)
   1 copy        device copy bandwidth (a 1 GiB `copy_`), the roofline the decode figures are read against
   2 identity    greedy tokens of the engine against transformers for 64 tokens, fp32, initializer range
-                0.2, TF32 off, on a 4-layer Llama-3.2-1B-like shape (full width, fewer layers)
+                0.2, TF32 off, on a 4-layer Llama-3.2-1B-like shape (full width, fewer layers); and the
+                plain loop (no overlap) must give the overlapped engine's tokens
   3 cosine      bf16 last-position logits cosine against transformers (1B shape, 4 prompts)
   4 speed       per shape (llama-1b, llama-8b, bf16, random weights): decode tok/s at batch 1, 8 and 64,
                 TTFT of a 2,048-token prompt, host milliseconds per decode step
@@ -227,7 +228,15 @@ def stage_identity(args: argparse.Namespace) -> dict[str, Any]:
     same = [a == b for a, b in zip(tokens, expected, strict=True)]
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                   for a, b in zip(tokens, expected, strict=True)]  # fmt: skip
-    return {"ok": all(same), "identical": same, "first_difference": first_diff, "num_tokens": 64}
+    # The engine above overlaps steps (the GPU default): the plain loop must give the same tokens.
+    plain = greedy(
+        build_engine(hf, args.device, "float32", gpu_memory_utilization=0.3, overlap=False), prompts, 64
+    )
+    return {
+        "ok": all(same) and plain == tokens, "identical": same, "first_difference": first_diff,
+        "num_tokens": 64, "attention": type(core.runner.model.paged).__name__, "overlap": core.overlap,
+        "overlap_matches_plain": plain == tokens,
+    }  # fmt: skip
 
 
 def stage_cosine(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,8 @@
   TRITON_INTERPRET=1 (it has to precede triton's import, which torch's import does). A layer the
   dispatch table has no entry for is refused at load.
 - `auto`: on a CPU, the C kernels where they fit (ops/kernels.c) and torch-native attention otherwise;
-  on a GPU, Triton when it is installed and every layer has an entry, else torch-native (logged).
+  on a GPU, Triton when it is installed, every layer has an entry and the kernels pass a self-check at
+  load (one small step against the float64 reference, launch.self_check), else torch-native (logged).
 
 A process defines the kernels once, compiled or interpreted: a later model wanting the other kind is
 refused with the reason, never silently run the wrong way.
@@ -76,9 +77,11 @@ def choose_attention(
         return TorchAttention()
     specs = model_specs(config, dtype, block_size)
     reason = None
-    if specs is None or len(set(specs)) != 1:
+    if specs is None:
         missing = sorted({str(k) for k in layer_keys(config, dtype, block_size)})
         reason = f"no Triton kernel specialization for {', '.join(missing)}"
+    elif len(set(specs)) != 1:
+        reason = "the layers would need different kernel specializations"
     elif importlib.util.find_spec("triton") is None:
         reason = "triton is not installed"
     if reason is not None:
@@ -87,7 +90,25 @@ def choose_attention(
         log.info("Triton attention unavailable, using torch-native attention", extra={"reason": reason})
         return TorchAttention()
     assert specs is not None
-    return _triton_backend(specs[0], config, device)
+    backend = _triton_backend(specs[0], config, device)
+    return checked_or_torch(backend, config, device) if choice == "auto" else backend
+
+
+def checked_or_torch(backend: PagedAttention, config: ModelConfig, device: torch.device) -> PagedAttention:
+    """The Triton backend if its kernels agree with the reference on this device, else torch-native
+    (logged with the reason): `auto` is never worse than torch-native."""
+    from services.engine.ops.triton.launch import TritonAttention, self_check
+
+    assert isinstance(backend, TritonAttention)
+    windows = [None, *sorted({w for w in config.layer_windows if w is not None})[:1]]
+    for window in windows:
+        reason = self_check(backend, device, window)
+        if reason is not None:
+            log.warning(
+                "Triton attention failed its self-check; torch-native it is", extra={"reason": reason}
+            )
+            return TorchAttention()
+    return backend
 
 
 def _triton_backend(spec: KernelSpec, config: ModelConfig, device: torch.device) -> PagedAttention:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from services.common.config import EngineConfig, KvrelayConfig
+from services.common.errors import ConfigError
 from services.common.manifest import Manifest
 from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.block_pool import BlockPool
@@ -94,6 +95,7 @@ def build_core(config: KvrelayConfig) -> EngineCore:
     device = resolve_device(config.engine.device)
     free_at_start = 0
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels, streams and events of this process go to `device`
         free_at_start, total = torch.cuda.mem_get_info(device)
         weights = stored_weight_bytes(config.model.path, config.model.dtype)
         check_weights_fit(weights, total, free_at_start, config.engine.gpu_memory_utilization)
@@ -114,6 +116,14 @@ def build_core_from_loaded(
     engine = config.engine
     device = loaded.model.device
     batch_size_limit = config.limits.batch_size_limit
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kernel_block_size = getattr(getattr(loaded.model, "paged", None), "block_size", engine.block_size)
+    if kernel_block_size != engine.block_size:
+        raise ConfigError(
+            f"the model's attention was specialised for KV blocks of {kernel_block_size} tokens, but "
+            f"engine.block_size is {engine.block_size}: load it with block_size={engine.block_size}"
+        )
 
     def model_runner(spec: KVCacheSpec, num_blocks: int) -> Runner:
         if device.type == "cpu":

@@ -114,9 +114,9 @@ class ModelRunner:
         self._previous = _Sampled(picks.token_ids, {seq_id: i for i, seq_id in enumerate(seq_ids)})
         copied = None
         host = picks.copy_to_host()
-        if self.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
+        if self.device.type == "cuda":  # on this device's stream, which queued the copies; no busy wait
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(torch.cuda.current_stream(self.device))
         return _PendingSample(host, seq_ids, copied)
 
     def _fill_placeholders(

@@ -152,7 +152,12 @@ class Scheduler:
         self, request: Request, num_new: int, scheduled: set[SeqId], out: SchedulerOutput
     ) -> bool:
         while not self.kv.grow(request, num_new):
-            victims = [r for r in self.running if r.seq_id not in scheduled and r is not request]
+            # Not a sequence a pending token ends: it frees its blocks once read back, and a prefill
+            # replica's still has its prompt KV to export from them.
+            victims = [
+                r for r in self.running
+                if r.seq_id not in scheduled and r is not request and not r.ends_when_resolved
+            ]  # fmt: skip
             victim = max(victims, key=lambda r: r.sort_key) if victims else request
             self._preempt(victim)
             out.preempted_ids.append(victim.seq_id)

@@ -5,6 +5,7 @@ and a preemption; with split-KV decode forced on as well. Head size 64, so the d
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
+from services.common.config import load_config
+from services.common.errors import ConfigError
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
+from services.engine.factory import build_core_from_loaded
+from services.engine.loader import load_state_dict
 from services.engine.ops.triton.launch import TritonAttention
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tiny_model import make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3
@@ -86,3 +92,16 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused_with_the_fix(tmp_pat
     )
     assert done.returncode == 3, done.stderr[-2000:]
     assert "start the process with TRITON_INTERPRET=1" in done.stdout
+
+
+def test_kernels_specialised_for_another_block_size_are_refused(tmp_path: Path) -> None:
+    model_dir = make_tiny_llama(tmp_path / "llama", **SHAPE)
+    state = load_file(str(model_dir / "model.safetensors"))
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    loaded = load_state_dict(hf_config, state, dtype="float32", attention="triton", block_size=16)
+    config = load_config(None, env={})
+    config = config.model_copy(update={"engine": config.engine.model_copy(update={"block_size": 32})})
+    with pytest.raises(
+        ConfigError, match=r"specialised for KV blocks of 16 tokens, but engine\.block_size is 32"
+    ):
+        build_core_from_loaded(loaded, config)

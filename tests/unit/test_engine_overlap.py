@@ -136,3 +136,41 @@ def test_a_prefill_replica_stops_at_its_first_token() -> None:
     assert len(outputs) == 1 and outputs[0].kv is not None
     assert max(end for _, end in fake_runner(core).computed_for(("h", 0))) == len(PROMPTS["r5"])
     assert core.stats().kv_blocks.num_active == 0
+
+
+def test_a_prefill_replicas_pending_token_is_never_preempted_from_under_its_export() -> None:
+    """Four long requests fill the pool while a lower-priority prefill replica's last chunk is launched:
+    the sequences that must give way are the growing ones, not the one whose KV is about to ship."""
+    exports = []
+    for overlap in (False, True):
+        core = make_fake_engine(overlap=overlap, kv_cache_memory_mb=1, max_model_len=2048,
+                                max_num_batched_tokens=4096)  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        for j in range(4):
+            core.add_request(f"q{j}", [(i * (j + 1) % 100) + 2 for i in range(400)], params)
+        prompt = [(i % 90) + 3 for i in range(28 * 16)]
+        core.add_request(
+            "x", prompt, SamplingParams(temperature=0.0, max_tokens=8), priority=1, export_kv_from=0
+        )
+        outputs = drain(core)
+        [export] = [o for o in outputs if o.request_id == "x"]
+        assert export.kv is not None and export.kv.kv.shape[1] == len(prompt)
+        assert core.stats().kv_blocks.num_active == 0
+        exports.append((export.new_token_ids, export.kv.kv))
+    assert exports[1][0] == exports[0][0] and bool((exports[1][1] == exports[0][1]).all())
+
+
+def test_parallel_samples_under_a_tight_cache_give_the_plain_loops_outputs() -> None:
+    prompts = {f"r{i}": [(i * 13 + j * 5) % 120 + 2 for j in range(150)] for i in range(5)}
+    params = SamplingParams(n=3, temperature=0.8, seed=21, max_tokens=150, ignore_eos=True)
+    results = []
+    for overlap in (False, True):
+        core = make_fake_engine(overlap=overlap, kv_cache_memory_mb=1, max_model_len=512)
+        for request_id, prompt in prompts.items():
+            core.add_request(request_id, prompt, params)
+        seen: dict[tuple[str, int], list[int]] = {}
+        for out in drain(core):
+            seen.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        assert core.stats().num_preemptions >= 1 and core.stats().kv_blocks.num_active == 0
+        results.append(seen)
+    assert results[1] == results[0]

@@ -6,13 +6,17 @@ block step and program.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from services.engine.attention import AttentionMetadata, RowSpec, build_metadata, reference_attention
+from services.engine.attention_backend import TorchAttention, checked_or_torch
+from services.engine.models.config import ModelConfig
 from services.engine.ops.triton import kernels
 from services.engine.ops.triton.dispatch import GQA_RATIOS, KernelSpec
-from services.engine.ops.triton.launch import TritonAttention, _StepLayout
+from services.engine.ops.triton.launch import TritonAttention, _StepLayout, self_check
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
@@ -146,3 +150,36 @@ def test_padded_rows_are_skipped_and_leave_the_others_alone() -> None:
     want = split.reference()
     assert max_error(got[[0, 2]], want[[0, 2]]) <= TOLERANCE[torch.float32]
     assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+class _WrongScale(TritonAttention):
+    def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return super().attend(*args, **(kwargs | {"scale": 0.01}))
+
+
+class _NoLaunch(TritonAttention):
+    def store(self, *args: Any) -> None:
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_load_time_self_check_passes_good_kernels_and_auto_falls_back_from_bad(
+    dtype: torch.dtype,
+) -> None:
+    """`engine.attention: auto` on a GPU keeps Triton only if one small step agrees with the reference."""
+    cpu = torch.device("cpu")
+    config = ModelConfig.from_dict({
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "sliding_window": 8, "sliding_window_pattern": 2,
+    })  # fmt: skip
+    spec = KernelSpec(dtype, 64, 16)
+    good = TritonAttention(spec, 4, 2)
+    assert self_check(good, cpu, None) is None and self_check(good, cpu, 8) is None
+    assert checked_or_torch(good, config, cpu) is good
+    wrong = _WrongScale(spec, 4, 2)
+    assert "against the reference" in (self_check(wrong, cpu, None) or "")
+    assert isinstance(checked_or_torch(wrong, config, cpu), TorchAttention)
+    broken = _NoLaunch(spec, 4, 2)
+    assert (self_check(broken, cpu, None) or "").startswith("RuntimeError: no kernel image")
+    assert isinstance(checked_or_torch(broken, config, cpu), TorchAttention)

@@ -5,7 +5,7 @@ block size). A specialization is what the kernels are compiled for: the constexp
 BLOCK_SIZE, BLOCK_M, the dot precision) and the launch shape (warps, stages). The GQA ratio and the
 window are runtime arguments (the ratio's power-of-two padding decides how many query tokens share a
 BLOCK_M tile), so 288 keys map onto 18 specializations, and every one of them is compiled ahead of time
-for sm_90 in CI (tests/unit/test_triton_aot.py). A key outside the table (another head size, a ratio
+for sm_90 in CI (tests/unit/test_triton_dispatch.py). A key outside the table (another head size, a ratio
 above 8, an odd block size) has no entry: the model keeps the torch-native attention.
 """
 

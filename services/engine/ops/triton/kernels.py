@@ -126,7 +126,14 @@ def _first_block(first_pos, window, BLOCK_SIZE: tl.constexpr):
     return lo
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton would compile a variant the first
+# time a value is 1 or a multiple of 16, or a pointer loses 16-byte alignment: a stall in the middle of
+# serving); what aot.py compiles is exactly these generic variants.
+_STEP_ARGS = ["num_rows", "window"]
+_STEP_POINTERS = ["tables_ptr", "query_start_ptr", "seq_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS, do_not_specialize_on_alignment=_STEP_POINTERS)
 def paged_attention_kernel(
     out_ptr, q_ptr, cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
     qk_scale, window, num_rows, group_size, group_pad,
@@ -170,7 +177,7 @@ def paged_attention_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def split_decode_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
     qk_scale, window, group_size,

@@ -44,6 +44,7 @@ class TritonAttention:
         self.group_size = num_heads // num_kv_heads
         self.group_pad = group_pad(self.group_size)
         self.split = split
+        self.block_size = spec.block_size
         self.upcast = kernels.INTERPRETED and spec.dtype == torch.bfloat16  # see kernels._dot
 
     def store(self, cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -129,6 +130,8 @@ class TritonAttention:
         cached = meta.backend_state.get(self)
         if isinstance(cached, _StepLayout):
             return cached
+        if meta.block_size != self.block_size:
+            raise ValueError(f"KV blocks of {meta.block_size} tokens; these kernels take {self.block_size}")
         rows = (*meta.decode_rows, *meta.prefill_rows)
         starts = [0]
         for row in rows:
@@ -152,3 +155,30 @@ class TritonAttention:
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
     host = torch.tensor(values, dtype=torch.int32)
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def self_check(attention: TritonAttention, device: torch.device, window: int | None) -> str | None:
+    """Run the store and attention kernels once on a small random step (decode rows at block edges, a
+    chunk over a cached prefix) against the float64 reference; None when they agree, else why not.
+    `engine.attention: auto` runs it at load, so a kernel that fails on this GPU falls back instead."""
+    from services.engine.attention import RowSpec, build_metadata, reference_attention
+
+    spec = attention.spec
+    bs = spec.block_size
+    rows = [RowSpec([0], 0, 1), RowSpec([1, 2], bs, 1), RowSpec([3, 4, 5], bs + 4, bs + 3)]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cache = torch.randn(6 * bs, 2, attention.num_kv_heads, spec.head_dim, generator=gen).to(spec.dtype)
+    meta = build_metadata(rows[:2], rows[2:], bs, device)
+    shape = (meta.num_tokens, attention.num_kv_heads, spec.head_dim)
+    q = torch.randn(meta.num_tokens, attention.num_heads, spec.head_dim, generator=gen).to(spec.dtype)
+    k, v = (torch.randn(shape, generator=gen).to(spec.dtype) for _ in "kv")
+    cache, q, k, v = (t.to(device) for t in (cache, q, k, v))
+    try:
+        attention.store(cache, meta, k, v)
+        got = attention.attend(q, k, v, cache, meta, window=window).double().cpu()
+    except Exception as exc:  # a kernel that does not build or launch here: the reason is the answer
+        return f"{type(exc).__name__}: {exc}"
+    want = reference_attention(q.cpu(), cache.cpu(), rows, bs, window=window).double()
+    error = float((got - want).abs().max())
+    tolerance = 1e-3 if spec.dtype == torch.float32 else 3e-2
+    return None if error <= tolerance else f"max abs error {error:.3g} against the reference (> {tolerance})"
