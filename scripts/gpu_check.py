@@ -33,10 +33,13 @@ leaves the earlier ones; `summary.json` collects them):
                 the kernel's KV read rate as a share of the copy bandwidth measured in the same stage,
                 against torch-native attention; the figure it is built for is >= 60%
 
+  8 graphs      a decode step of 5 rows through the 8-row bucket's CUDA graph, bit for bit against the
+                same bucket's forward run eagerly; capture time and graph memory
+
 Stage 4 runs each shape once per `--attentions` entry (triton and torch: the engine with our kernels
-against torch-native attention), with steps overlapped (the GPU default), and once more for the first
-entry without overlap (`<shape>/<attention>/no_overlap`, decode at batch 1 and 64). Default order
-0,1,6,7,2,3,4,5: the cheap kernel stages first.
+against torch-native attention), with steps overlapped and decode graphs on (the GPU defaults), and
+once more for the first entry without overlap (`/no_overlap`) and without graphs (`/no_graphs`), decode
+at batch 1 and 64. Default order 0,1,6,7,8,2,3,4,5: the cheap kernel stages first.
 
 Under 6 minutes on one H200. Exit status 0 when every stage that ran passed its checks, 1 otherwise.
 """
@@ -93,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the per-stage JSON files")
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run of stage 0)")
-    p.add_argument("--stages", default="0,1,6,7,2,3,4,5", help="comma-separated stage numbers to run")
+    p.add_argument("--stages", default="0,1,6,7,8,2,3,4,5", help="comma-separated stage numbers to run")
     p.add_argument("--attentions", default="triton,torch", help="engine.attention values stage 4 compares")
     p.add_argument("--shapes", default="llama-1b,llama-8b", help="shapes for stages 4 and 5")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per batch size")
@@ -283,16 +286,16 @@ def stage_speed(args: argparse.Namespace) -> dict[str, Any]:
     for shape in args.shapes.split(","):
         hf = build_hf(shape, args.device, torch.bfloat16)
         first = args.attentions.split(",")[0]
-        runs = [(a, None) for a in args.attentions.split(",")] + [(first, False)]
-        for attention, overlap in runs:
+        runs = [(a, None, None) for a in args.attentions.split(",")]
+        runs += [(first, False, None), (first, None, False)]
+        for attention, overlap, graphs in runs:
             core = build_engine(
                 hf, args.device, "bfloat16", gpu_memory_utilization=0.8, max_num_batched_tokens=4096,
-                attention=attention, overlap=overlap,
+                attention=attention, overlap=overlap, cuda_graphs=graphs,
             )  # fmt: skip
             key = shape if attention == "auto" else f"{shape}/{attention}"
-            results[key + ("/no_overlap" if overlap is False else "")] = _speed_row(
-                args, core, shape, full=overlap is None
-            )
+            key += "/no_overlap" if overlap is False else "/no_graphs" if graphs is False else ""
+            results[key] = _speed_row(args, core, shape, full=overlap is None and graphs is None)
             del core
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del hf
@@ -303,6 +306,11 @@ def _speed_row(args: argparse.Namespace, core: Any, shape: str, *, full: bool) -
     """TTFT of a long prompt (when `full`) and decode rates; without `full`, decode at batch 1 and 64."""
     vocab = SHAPES[shape]["vocab_size"]
     row: dict[str, Any] = {"attention": type(core.runner.model.paged).__name__, "overlap": core.overlap}
+    graphs = core.runner.graphs
+    row["graphs"] = None if graphs is None else {
+        "buckets": len(graphs.buckets), "capture_s": round(graphs.capture_seconds, 2),
+        "graph_mib": round(graphs.graph_bytes / 2**20, 1),
+    }  # fmt: skip
     if full:
         length = min(2048, SHAPES[shape]["max_position_embeddings"] - 64)
         row[f"ttft_{length}_ms"] = round(1000 * _ttft(core, random_prompts(1, length, vocab, 3)[0]), 1)
@@ -492,6 +500,36 @@ def _time_decode_attention(
     return row
 
 
+def stage_graphs(args: argparse.Namespace) -> dict[str, Any]:
+    """A decode step of 5 rows through the 8-row bucket's graph, against the same bucket's forward run
+    eagerly over the same static buffers: bit for bit. Capture time and memory from the engine."""
+    import torch
+
+    from services.engine.attention import RowSpec, build_metadata
+
+    shape = args.check_shape
+    hf = build_hf(
+        shape, args.device, torch.bfloat16, num_hidden_layers=min(4, SHAPES[shape]["num_hidden_layers"])
+    )
+    core = build_engine(hf, args.device, "bfloat16", gpu_memory_utilization=0.3, attention="triton",
+                        cuda_graphs=True)  # fmt: skip
+    graphs = core.runner.graphs
+    contexts = [3, 17, 40, 100, 257]
+    rows = [RowSpec([(7 * r + i) % 64 for i in range(-(-c // 16))], c - 1, 1) for r, c in enumerate(contexts)]
+    meta = build_metadata(rows, [], 16, torch.device(args.device))
+    tokens = torch.tensor([11, 12, 13, 14, 15], device=args.device)
+    bucket = graphs.load(tokens, meta)
+    replayed = graphs.replay(bucket).clone()
+    eager = graphs.eager(bucket).clone()
+    same = bool(torch.equal(replayed, eager))
+    return {
+        "ok": same, "bucket": bucket, "bit_identical": same,
+        "max_abs_difference": float((replayed.float() - eager.float()).abs().max()),
+        "buckets": graphs.buckets, "capture_s": round(graphs.capture_seconds, 2),
+        "graph_mib": round(graphs.graph_bytes / 2**20, 1),
+    }  # fmt: skip
+
+
 STAGES: dict[int, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = {
     0: ("smoke", stage_smoke),
     1: ("copy", stage_copy),
@@ -501,6 +539,7 @@ STAGES: dict[int, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = 
     5: ("baseline", stage_baseline),
     6: ("kernels", stage_kernels),
     7: ("attention", stage_attention),
+    8: ("graphs", stage_graphs),
 }
 
 

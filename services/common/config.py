@@ -63,6 +63,10 @@ class EngineConfig(_Section):
     # t runs on the device (services/engine/core.py). None: on a GPU only (on a CPU the forward runs on
     # the host itself, so overlapping only delays each token by a step).
     overlap: bool | None = None
+    # Capture decode steps as CUDA graphs, one per batch-size bucket (services/engine/cuda_graphs.py).
+    # None: on a GPU whose attention can be captured (the Triton kernels). true on a CPU replays the same
+    # buckets eagerly (tests); false is the debugging switch.
+    cuda_graphs: bool | None = None
 
     @field_validator("block_size")
     @classmethod

@@ -35,6 +35,14 @@ ATTENTION_CHOICES = ("auto", "torch", "triton")
 
 class PagedAttention(Protocol):
     name: str
+    graph_safe: bool  # launches read only tensors and the row count: a decode step can be captured
+
+    def prepare_static(
+        self, meta: AttentionMetadata, query_start: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """For a captured decode step over static buffers: take its layout from these tensors
+        (query_start [rows + 1], seq_lens [rows], int32) instead of from the host rows."""
+        ...
 
     def store(self, cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's k, v [num_tokens, kv_heads, head_dim] through `meta.slot_mapping`."""
@@ -60,6 +68,12 @@ class TorchAttention:
     """attention.py's `write_kv` and `paged_attention`, which already have the protocol's signatures."""
 
     name = "torch"
+    graph_safe = False  # the gathers are built from host lists every step
+
+    def prepare_static(
+        self, meta: AttentionMetadata, query_start: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        raise ValueError("torch-native attention cannot be captured in a graph")
 
     def store(self, cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(cache, meta.slot_mapping, k, v)

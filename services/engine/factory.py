@@ -19,8 +19,10 @@ from services.common.config import EngineConfig, KvrelayConfig
 from services.common.errors import ConfigError
 from services.common.manifest import Manifest
 from services.engine.attention import RowSpec, build_metadata, to_device
+from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import (
     check_weights_fit,
     default_batched_tokens,
@@ -118,7 +120,9 @@ def build_core_from_loaded(
     batch_size_limit = config.limits.batch_size_limit
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kernel_block_size = getattr(getattr(loaded.model, "paged", None), "block_size", engine.block_size)
+    paged: PagedAttention = getattr(loaded.model, "paged", TorchAttention())
+    graphs_on = _graphs_on(engine.cuda_graphs, paged, device)
+    kernel_block_size = getattr(paged, "block_size", engine.block_size)
     if kernel_block_size != engine.block_size:
         raise ConfigError(
             f"the model's attention was specialised for KV blocks of {kernel_block_size} tokens, but "
@@ -129,7 +133,14 @@ def build_core_from_loaded(
         if device.type == "cpu":
             check_host_memory(loaded.weight_bytes, num_blocks * spec.bytes_per_block)
         caches = allocate_kv_caches(spec, num_blocks, device)
-        return ModelRunner(loaded.model, caches, engine.block_size, loaded.config.vocab_size, engine.seed)
+        runner = ModelRunner(loaded.model, caches, engine.block_size, loaded.config.vocab_size, engine.seed)
+        if graphs_on:
+            max_blocks = -(-max_model_len_for(loaded.config, engine) // engine.block_size)
+            runner.graphs = DecodeGraphs(
+                loaded.model, paged, caches, engine.block_size, batch_size_limit, max_blocks
+            )
+            runner.graphs.capture()
+        return runner
 
     plan_blocks: BlockPlanner | None = None
     if device.type == "cuda":
@@ -152,6 +163,17 @@ def build_core_from_loaded(
         plan_blocks=plan_blocks,
         device=device,
     )
+
+
+def _graphs_on(setting: bool | None, paged: PagedAttention, device: torch.device) -> bool:
+    """`engine.cuda_graphs`: unset means on a GPU whose attention can be captured."""
+    if setting is None:
+        return device.type == "cuda" and paged.graph_safe
+    if setting and not paged.graph_safe:
+        raise ConfigError(
+            f"engine.cuda_graphs needs graph-safe attention (engine.attention: triton), not {paged.name}"
+        )
+    return setting
 
 
 def warm_up(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import RowSpec, build_metadata, to_device
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.models.registry import CausalLM
 from services.engine.request import PLACEHOLDER, Request, SeqId, TokenLogprob
 from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
@@ -62,6 +63,7 @@ class ModelRunner:
         # Python work while the forward runs without the GIL instead of stalling the step's set-up.
         self._before_forward: Callable[[], None] | None = None
         self._previous: _Sampled | None = None
+        self.graphs: DecodeGraphs | None = None  # decode steps replay captured graphs (cuda_graphs.py)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -104,7 +106,11 @@ class ModelRunner:
         indices = to_device(logits_indices, self.device)  # [num_samples]
         if self._before_forward is not None:
             self._before_forward()
-        logits = self.model.forward(token_tensor, self.kv_caches, meta, indices)  # [num_samples, vocab]
+        graphs = self.graphs
+        if graphs is not None and not prefill and graphs.bucket_for(len(decode)) is not None:
+            logits = graphs.run(token_tensor, meta)[indices]  # [num_samples, vocab]
+        else:
+            logits = self.model.forward(token_tensor, self.kv_caches, meta, indices)  # [num_samples, vocab]
         if not sampling_chunks:
             self._previous = None
             return ReadyStep(StepResult({}))

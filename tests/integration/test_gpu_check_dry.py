@@ -21,14 +21,14 @@ def test_help_lists_the_stages() -> None:
 
 def test_a_dry_run_on_the_cpu_writes_every_stage(tmp_path: Path) -> None:
     argv = [
-        sys.executable, str(SCRIPT), "--device", "cpu", "--stages", "0,1,3,4,5,6,7", "--check-shape", "tiny",
-        "--shapes", "tiny", "--copy-mib", "8", "--decode-steps", "4", "--attentions", "auto",
-        "--out", str(tmp_path),
+        sys.executable, str(SCRIPT), "--device", "cpu", "--stages", "0,1,3,4,5,6,7,8",
+        "--check-shape", "tiny", "--shapes", "tiny", "--copy-mib", "8", "--decode-steps", "4",
+        "--attentions", "auto", "--out", str(tmp_path),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert done.returncode == 0, (summary, done.stderr[-2000:])
-    assert set(summary) == {
+    stages = [
         "0_smoke",
         "1_copy",
         "3_cosine",
@@ -36,7 +36,10 @@ def test_a_dry_run_on_the_cpu_writes_every_stage(tmp_path: Path) -> None:
         "5_baseline",
         "6_kernels",
         "7_attention",
-    }
+        "8_graphs",
+    ]
+    assert set(summary) == set(stages)
+    assert summary["8_graphs"]["bucket"] == 8 and summary["8_graphs"]["bit_identical"]
     smoke = json.loads((tmp_path / "stage0_smoke.json").read_text())
     assert smoke["ok"] and smoke["device"] == "cpu" and smoke["tokens"] == smoke["transformers_tokens"]
     assert min(summary["3_cosine"]["cosines"]) >= 0.999

@@ -35,6 +35,7 @@ class _StepLayout:
 
 class TritonAttention:
     name = "triton"
+    graph_safe = True
 
     def __init__(self, spec: KernelSpec, num_heads: int, num_kv_heads: int, *, split: bool | None = None):
         """`split`: force split-KV decode on (True) or off (False); None decides per step."""
@@ -125,6 +126,15 @@ class TritonAttention:
             out, parts, part_max, part_sum, layout.query_start, layout.seq_lens, out.stride(0), out.stride(1),
             HEAD_DIM=spec.head_dim, NUM_SEGMENTS=NUM_SEGMENTS,
         )  # fmt: skip
+
+    def prepare_static(
+        self, meta: AttentionMetadata, query_start: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """A captured decode step: the layout is these static buffers, and split-KV is decided by the
+        row count alone (the context lengths change between replays)."""
+        num = len(meta.decode_rows)
+        split = self.split if self.split is not None else num * self.num_kv_heads <= SPLIT_MAX_PROGRAMS
+        meta.backend_state[self] = _StepLayout(query_start, seq_lens, num, num > 0 and split)
 
     def _layout(self, meta: AttentionMetadata) -> _StepLayout:
         cached = meta.backend_state.get(self)
