@@ -47,6 +47,7 @@ Under 6 minutes on one H200. Exit status 0 when every stage that ran passed its 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -297,6 +298,7 @@ def stage_speed(args: argparse.Namespace) -> dict[str, Any]:
             key += "/no_overlap" if overlap is False else "/no_graphs" if graphs is False else ""
             results[key] = _speed_row(args, core, shape, full=overlap is None and graphs is None)
             del core
+            gc.collect()
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del hf
     return {"ok": True, **results}

@@ -76,6 +76,38 @@ def plot_engine(result: dict[str, Any], batches: list[int], path: Path) -> None:
     _save(fig, path, 110)
 
 
+# -- bench stack ---------------------------------------------------------------------------------------
+
+
+def plot_stack(result: dict[str, Any], path: Path) -> None:
+    """Decode tok/s of the stack, the engine alone and transformers at one concurrency (medians, with
+    each round's value as a dot), and the stack's TTFT of the last stream to start, per round."""
+    plt = _pyplot()
+    c = str(result["concurrency"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    sides = {
+        "kvrelay stack": [r["decode_tok_s"] for r in result["stack"]["rounds"]],
+        "engine alone": [r["tok_s"] for r in result["engine"]["rounds"]],
+    }
+    medians = [result["stack"]["decode_tok_s"], result["engine"]["decode"][c]["tok_s"]]
+    if "transformers" in result:
+        sides["transformers bf16"] = [result["transformers"]["decode"][c]["tok_s"]]
+        medians.append(result["transformers"]["decode"][c]["tok_s"])
+    names = list(sides)
+    bars = ax1.bar(names, medians, color=["C0", "C2", "C1"][: len(names)])
+    ax1.bar_label(bars, fmt="%.0f", fontsize=8)
+    for i, values in enumerate(sides.values()):
+        ax1.plot([i] * len(values), values, "k.", markersize=5)
+    ax1.set_ylabel("decode tok/s (all streams)")
+    ax1.set_title(f"concurrency {c}, {result['new_tokens']} tokens per stream; dots: rounds")
+    ttfts = [r["ttft_ms_max"] for r in result["stack"]["rounds"]]
+    ax2.bar_label(ax2.bar([str(i + 1) for i in range(len(ttfts))], ttfts, color="C0"), fmt="%.0f", fontsize=8)
+    ax2.set_xlabel("round")
+    ax2.set_ylabel("ms until every stream had its first token")
+    ax2.set_title("stack TTFT (last stream)")
+    _save(fig, path, 110)
+
+
 # -- bench serve ---------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.engine import QUESTIONS, build_engine, chat_prompts, measure_baseline, run_batch
+from services.bench.plots import plot_stack
 from services.bench.stats import median_row
 
 
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=3, help="stack/engine pairs; medians are reported")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
     p.set_defaults(handler=run)
 
 
@@ -48,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot_stack(result, args.plot)
     return 0
 
 

@@ -76,6 +76,7 @@ class DecodeGraphs:
         self.static = _static_buffers(max_rows, max_blocks, self.device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self._eager: dict[int, Callable[[], torch.Tensor]] = {}  # the same forwards, not captured
+        self._logits: torch.Tensor | None = None  # [max_rows, vocab]: every bucket's graph writes here
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.num_replays: dict[int, int] = dict.fromkeys(self.buckets, 0)
@@ -91,6 +92,9 @@ class DecodeGraphs:
         """Capture every bucket, largest first, into one memory pool; log the time and the memory."""
         started = time.perf_counter()
         on_gpu = self.device.type == "cuda"
+        if on_gpu:  # capture empties the allocator's cache: empty it first, so the count is the graphs'
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device) if on_gpu else 0
         pool = torch.cuda.graph_pool_handle() if on_gpu else None
         for bucket in sorted(self.buckets, reverse=True):
@@ -154,10 +158,11 @@ class DecodeGraphs:
     def _capture_one(self, bucket: int, pool: Any) -> Callable[[], torch.Tensor]:
         meta = self._static_meta(bucket)
         s = self.static
+        model, caches = self.model, self.kv_caches
         tokens, indices = s.token_ids[:bucket], s.logits_indices[:bucket]
 
-        def forward() -> torch.Tensor:
-            return self.model.forward(tokens, self.kv_caches, meta, indices)
+        def forward() -> torch.Tensor:  # locals only: a closure over `self` would keep the caches alive
+            return model.forward(tokens, caches, meta, indices)
 
         self._eager[bucket] = forward
         if self.device.type != "cuda":
@@ -167,15 +172,19 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            forward()  # warm-up: kernels compiled and autotuned outside the capture
+            for _ in range(2):  # kernels compiled and autotuned outside the capture
+                warm = forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._logits is None:  # one output buffer for every bucket, outside the pool
+            self._logits = torch.empty(self.max_rows, *warm.shape[1:], dtype=warm.dtype, device=self.device)
+        logits = self._logits[:bucket]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            output = forward()
+            logits.copy_(forward())  # the forward's own output returns to the pool for the next bucket
 
         def replay() -> torch.Tensor:
             graph.replay()
-            return output
+            return logits
 
         return replay
 

@@ -11,6 +11,7 @@ over a fake runner without a model directory.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,8 @@ from services.engine.models.registry import CausalLM
 from services.engine.runner import ModelRunner
 from services.engine.runner_protocol import Runner
 from services.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 # Builds the runner once the KV cache is planned: the cache's layout and how many blocks it holds.
 RunnerFactory = Callable[[KVCacheSpec, int], Runner]
@@ -136,10 +139,10 @@ def build_core_from_loaded(
         runner = ModelRunner(loaded.model, caches, engine.block_size, loaded.config.vocab_size, engine.seed)
         if graphs_on:
             max_blocks = -(-max_model_len_for(loaded.config, engine) // engine.block_size)
-            runner.graphs = DecodeGraphs(
+            graphs = DecodeGraphs(
                 loaded.model, paged, caches, engine.block_size, batch_size_limit, max_blocks
             )
-            runner.graphs.capture()
+            runner.graphs = _captured(graphs, required=engine.cuda_graphs is True)
         return runner
 
     plan_blocks: BlockPlanner | None = None
@@ -163,6 +166,21 @@ def build_core_from_loaded(
         plan_blocks=plan_blocks,
         device=device,
     )
+
+
+def _captured(graphs: DecodeGraphs, *, required: bool) -> DecodeGraphs | None:
+    """The graphs once captured; when capture fails and they were not asked for explicitly, None (the
+    engine runs every step eagerly, logged), so the default is never worse than eager."""
+    try:
+        graphs.capture()
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        if required:
+            raise
+        log.warning(
+            "decode graph capture failed; running eagerly", extra={"reason": f"{type(exc).__name__}: {exc}"}
+        )
+        return None
+    return graphs
 
 
 def _graphs_on(setting: bool | None, paged: PagedAttention, device: torch.device) -> bool:

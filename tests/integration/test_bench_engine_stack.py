@@ -147,8 +147,11 @@ def test_bench_stack_measures_the_stack_the_engine_and_the_baseline(
             "1",
             "--json",
             str(out),
+            "--plot",
+            str(tmp_path / "stack.png"),
         ]
     )
+    assert (tmp_path / "stack.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
     assert result["concurrency"] == 2 and result["new_tokens"] == 4
     stack = result["stack"]

@@ -8,6 +8,8 @@ tokens through the graphs equal the eager path's, padded buckets included.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +65,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("graphs") / "llama", **SHAPE)
 
 
-def test_greedy_tokens_through_the_graphs_equal_the_eager_paths(model_dir: Path) -> None:
+@pytest.mark.parametrize("split", [None, False])
+def test_greedy_tokens_through_the_graphs_equal_the_eager_paths(model_dir: Path, split: bool | None) -> None:
+    """split None: these buckets take split-KV (few rows); False: the paged kernel over padded rows."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = {f"r{i}": [(5 * i + 3 * j) % 120 + 2 for j in range(3 + 7 * i)] for i in range(5)}
     results = []
     for graphs in (False, True):
         engine = make_engine(model_dir, "float32", batch_size_limit=8, cuda_graphs=graphs, **ENGINE)
+        if graphs and split is False:
+            recapture_unsplit(engine)
         for request_id in ("r0", "r1", "r2"):  # three rows: bucket 4, one padded row
             engine.add_request(request_id, prompts[request_id], params)
         out = run_to_completion(engine)
@@ -83,6 +89,30 @@ def test_greedy_tokens_through_the_graphs_equal_the_eager_paths(model_dir: Path)
         else:
             assert runner.graphs is None
     assert results[1] == results[0]
+
+
+def recapture_unsplit(engine: Any) -> None:
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.graphs is not None
+    old = runner.graphs
+    old.paged.split = False  # type: ignore[attr-defined]
+    runner.graphs = DecodeGraphs(runner.model, old.paged, runner.kv_caches, 16, old.max_rows, old.max_blocks)
+    runner.graphs.capture()
+    layout = runner.graphs._static_meta(4).backend_state[old.paged]
+    assert layout.split_decode is False  # type: ignore[attr-defined]
+
+
+def test_dropping_the_engine_frees_its_kv_cache_without_the_garbage_collector(model_dir: Path) -> None:
+    engine = make_engine(model_dir, "float32", batch_size_limit=8, cuda_graphs=True, **ENGINE)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.graphs is not None
+    cache = weakref.ref(runner.kv_caches[0])
+    gc.disable()
+    try:
+        del engine, runner
+        assert cache() is None, "a reference cycle keeps the KV cache (and on a GPU the graphs) alive"
+    finally:
+        gc.enable()
 
 
 def test_a_replay_syncs_nothing_and_repeats_its_operations(model_dir: Path) -> None:
