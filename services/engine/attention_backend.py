@@ -37,6 +37,11 @@ class PagedAttention(Protocol):
     name: str
     graph_safe: bool  # launches read only tensors and the row count: a decode step can be captured
 
+    @property
+    def block_size(self) -> int | None:
+        """The KV block size it was specialised for; None: any."""
+        ...
+
     def prepare_static(
         self, meta: AttentionMetadata, query_start: torch.Tensor, seq_lens: torch.Tensor
     ) -> None:
@@ -69,6 +74,7 @@ class TorchAttention:
 
     name = "torch"
     graph_safe = False  # the gathers are built from host lists every step
+    block_size = None
 
     def prepare_static(
         self, meta: AttentionMetadata, query_start: torch.Tensor, seq_lens: torch.Tensor

@@ -48,8 +48,7 @@ class _Static:
     block_tables: torch.Tensor  # [max_rows, max_blocks] int64
     seq_lens: torch.Tensor  # [max_rows] int32, 0 on padding
     query_start: torch.Tensor  # [max_rows + 1] int32: row i's token is token i
-    token_rows: torch.Tensor  # [max_rows] int64: arange
-    logits_indices: torch.Tensor  # [max_rows] int64: arange
+    rows: torch.Tensor  # [max_rows] int64 arange: each token's row, and the rows whose logits are taken
 
 
 class DecodeGraphs:
@@ -147,7 +146,7 @@ class DecodeGraphs:
             block_size=self.block_size,
             slot_mapping=s.slot_mapping[:bucket],
             positions=s.positions[:bucket],
-            token_rows=s.token_rows[:bucket],
+            token_rows=s.rows[:bucket],
             block_tables=s.block_tables[:bucket],
             max_context_len=self.max_blocks * self.block_size,
             device=self.device,
@@ -159,7 +158,7 @@ class DecodeGraphs:
         meta = self._static_meta(bucket)
         s = self.static
         model, caches = self.model, self.kv_caches
-        tokens, indices = s.token_ids[:bucket], s.logits_indices[:bucket]
+        tokens, indices = s.token_ids[:bucket], s.rows[:bucket]
 
         def forward() -> torch.Tensor:  # locals only: a closure over `self` would keep the caches alive
             return model.forward(tokens, caches, meta, indices)
@@ -193,7 +192,6 @@ def _static_buffers(max_rows: int, max_blocks: int, device: torch.device) -> _St
     def longs(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.long, device=device)
 
-    rows = torch.arange(max_rows, device=device)
     return _Static(
         token_ids=longs(max_rows),
         positions=longs(max_rows),
@@ -201,6 +199,5 @@ def _static_buffers(max_rows: int, max_blocks: int, device: torch.device) -> _St
         block_tables=longs(max_rows, max_blocks),
         seq_lens=torch.zeros(max_rows, dtype=torch.int32, device=device),
         query_start=torch.arange(max_rows + 1, dtype=torch.int32, device=device),
-        token_rows=rows.clone(),
-        logits_indices=rows.clone(),
+        rows=torch.arange(max_rows, device=device),
     )

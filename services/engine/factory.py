@@ -20,7 +20,7 @@ from services.common.config import EngineConfig, KvrelayConfig
 from services.common.errors import ConfigError
 from services.common.manifest import Manifest
 from services.engine.attention import RowSpec, build_metadata, to_device
-from services.engine.attention_backend import PagedAttention, TorchAttention
+from services.engine.attention_backend import PagedAttention
 from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore
 from services.engine.cuda_graphs import DecodeGraphs
@@ -123,12 +123,11 @@ def build_core_from_loaded(
     batch_size_limit = config.limits.batch_size_limit
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    paged: PagedAttention = getattr(loaded.model, "paged", TorchAttention())
+    paged = loaded.model.paged
     graphs_on = _graphs_on(engine.cuda_graphs, paged, device)
-    kernel_block_size = getattr(paged, "block_size", engine.block_size)
-    if kernel_block_size != engine.block_size:
+    if paged.block_size not in (None, engine.block_size):
         raise ConfigError(
-            f"the model's attention was specialised for KV blocks of {kernel_block_size} tokens, but "
+            f"the model's attention was specialised for KV blocks of {paged.block_size} tokens, but "
             f"engine.block_size is {engine.block_size}: load it with block_size={engine.block_size}"
         )
 

@@ -15,7 +15,7 @@ import torch
 from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.models.registry import CausalLM
-from services.engine.request import PLACEHOLDER, Request, SeqId, TokenLogprob
+from services.engine.request import Request, SeqId, TokenLogprob
 from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
 from services.engine.sampler import DeviceSample, SamplingBatch, SamplingRow, sample_on_device
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -102,7 +102,7 @@ class ModelRunner:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_chunks.append(chunk)
         token_tensor = to_device(token_ids, self.device)  # [num_tokens]
-        self._fill_placeholders(token_tensor, token_ids, ordered)
+        self._fill_placeholders(token_tensor, ordered)
         indices = to_device(logits_indices, self.device)  # [num_samples]
         if self._before_forward is not None:
             self._before_forward()
@@ -125,26 +125,28 @@ class ModelRunner:
             copied.record(torch.cuda.current_stream(self.device))
         return _PendingSample(host, seq_ids, copied)
 
-    def _fill_placeholders(
-        self, token_tensor: torch.Tensor, token_ids: list[int], chunks: list[ScheduledChunk]
-    ) -> None:
-        """Write the previous launch's picks (still on the device) over this step's PLACEHOLDER inputs."""
-        if PLACEHOLDER not in token_ids:
-            return
+    def _fill_placeholders(self, token_tensor: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+        """Write the previous launch's picks (still on the device) over this step's PLACEHOLDER inputs:
+        a request's pending token, always its last (the one the previous launch sampled)."""
         positions, rows = [], []
         offset = 0
-        previous = self._previous
         for chunk in chunks:
-            for i in range(chunk.num_new_tokens):
-                if token_ids[offset + i] == PLACEHOLDER:
-                    if previous is None or chunk.request.seq_id not in previous.rows:
-                        raise RuntimeError(f"{chunk.request.seq_id} has a placeholder no launch sampled")
-                    positions.append(offset + i)
-                    rows.append(previous.rows[chunk.request.seq_id])
+            request, start = chunk.request, chunk.start_position
+            last = request.num_tokens - 1
+            if request.num_pending_tokens and start <= last < start + chunk.num_new_tokens:
+                positions.append(offset + last - start)
+                rows.append(self._previous_row(request))
             offset += chunk.num_new_tokens
-        assert previous is not None
-        sources = to_device(rows, self.device)  # [num_placeholders]
-        token_tensor[to_device(positions, self.device)] = previous.token_ids[sources]
+        if positions:
+            assert self._previous is not None  # _previous_row checked it
+            sources = to_device(rows, self.device)  # [num_placeholders]
+            token_tensor[to_device(positions, self.device)] = self._previous.token_ids[sources]
+
+    def _previous_row(self, request: Request) -> int:
+        previous = self._previous
+        if request.num_pending_tokens > 1 or previous is None or request.seq_id not in previous.rows:
+            raise RuntimeError(f"{request.seq_id} has a placeholder the last launch did not sample")
+        return previous.rows[request.seq_id]
 
     def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """A copy of the KV at positions start..end-1: [num_layers, end - start, 2, kv_heads, head_dim]."""

@@ -9,7 +9,7 @@ import torch
 
 from services.common.errors import ModelLoadError
 from services.engine.attention import AttentionMetadata
-from services.engine.attention_backend import choose_attention
+from services.engine.attention_backend import PagedAttention, choose_attention
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import Gemma3Model
 from services.engine.models.llama import LlamaModel
@@ -21,6 +21,7 @@ class CausalLM(Protocol):
     dtype: torch.dtype
     kv_dtype: torch.dtype  # the KV cache's dtype (may be wider than the compute dtype)
     device: torch.device  # where the weights are, and so the KV cache and the step's work
+    paged: PagedAttention  # what its layers store and attend with (attention_backend.py)
 
     def forward(
         self,
