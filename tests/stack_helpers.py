@@ -114,3 +114,14 @@ def assert_cut_short(before: pb.LoadResponse, after: pb.LoadResponse, max_tokens
     assert 0 < generated < max_tokens // 4, f"the worker generated {generated} of {max_tokens} tokens"
     assert after.kv_blocks.active == 0 and after.running == 0
     return generated
+
+
+def run_python(code: str, stdin: bytes = b"") -> bytes:
+    """`python -c code` in a child process of its own (the repo importable), its stdout; fails the test on
+    a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=stdin, capture_output=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return done.stdout

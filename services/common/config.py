@@ -135,7 +135,9 @@ class DisaggregationConfig(_Section):
     # always: every eligible request is prefilled remotely; conditional: when the router estimates it is
     # cheaper (services/router/disaggregation.py); never: prefill pools are ignored.
     policy: Literal["always", "conditional", "never"] = "conditional"
-    transport: Literal["grpc", "torch"] = "grpc"
+    # How KV crosses (docs/disaggregation.md#transports). ipc is used only between a prefill and a decode
+    # replica that report one ipc_domain (same GPU, or same host for CPU workers); other pairs get grpc.
+    transport: Literal["grpc", "torch", "ipc"] = "grpc"
     transfer_timeout_ms: int = Field(default=30_000, gt=0)  # header plus every KV chunk, else recompute
     min_prompt_tokens: int = Field(default=0, ge=0)  # shorter prompts are prefilled on the decode replica
 

@@ -9,6 +9,11 @@ fingerprint or chunk count, the transfer deadline) frees nothing the client can 
 turned into a local request over the prompt plus the first token if it already went out, which is a
 continuation of the same stream. Once installed, the request no longer depends on P. A client that goes
 away cancels this generator: the Prefill call is cancelled (P aborts) and the request is released here.
+
+The ipc transport has one more way out: a handle this replica cannot open (P is in another pod, sees
+another GPU, or has another /dev/shm) pulls the same KV again over grpc (P's prefix cache makes the
+second prefill cheap; its first token is ignored, the one already sent stands), and this P gets grpc for
+IPC_REFUSED_S before ipc is tried with it again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from services.common.proto_convert import FINISH_FROM_PROTO, sampling_from_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.request import FinishReason, TokenLogprob
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
+from services.kvtransfer.ipc_transport import IpcUnavailable
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
@@ -37,6 +43,7 @@ from services.worker.request_trace import RequestTrace
 
 log = logging.getLogger(__name__)
 TRANSFER_FAILURES = (grpc.aio.AioRpcError, KVTransferFault, StopAsyncIteration)
+IPC_REFUSED_S = 300.0
 
 
 @dataclass
@@ -48,6 +55,7 @@ class _Transfer:
     seconds: float = 0.0  # Prefill call start -> KV installed (P's queue and prefill included)
     link_seconds: float = 0.0  # header received -> KV installed: the KV's shipping alone
     mode: pb.PrefillMode = pb.PREFILL_MODE_FALLBACK
+    transport: str = ""  # what carried the KV that was installed
 
 
 class RemotePrefill:
@@ -70,6 +78,8 @@ class RemotePrefill:
         self.counters = counters
         self.transfer_timeout_s = transfer_timeout_s
         self.receivers: Mapping[str, KVReceiver] = receivers or {"grpc": GrpcReceiver()}
+        self.device = engine.core.device
+        self._ipc_refused: dict[str, float] = {}  # prefill address -> until when it gets grpc instead
         self._stubs: dict[str, kv_transfer_pb2_grpc.PrefillStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
@@ -112,6 +122,7 @@ class RemotePrefill:
                     response.kv_transfer_bytes = transfer.num_bytes
                     response.kv_transfer_seconds = transfer.seconds
                     response.kv_link_seconds = transfer.link_seconds
+                    response.kv_transport = transfer.transport
                 yield response
         finally:
             if not finished:
@@ -133,23 +144,10 @@ class RemotePrefill:
             if time_remaining is None
             else min(time_remaining, self.transfer_timeout_s)
         )
-        prefill_request = kvpb.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
-            tenant_salt=request.tenant_salt,
-            priority=request.priority,
-            num_skip_tokens=num_skip,
-            model_fingerprint=self.model_fingerprint,
-            kv_dtype=dtype_name(self.layout.dtype),
-            kv_device=self.layout.device,
-            transport=remote.transport or "grpc",
-        )
-        receiver = self.receivers.get(prefill_request.transport)
+        prefill_request = self._prefill_request(request, request_id, num_skip, self._transport(remote))
         span = transfer.trace.transfer_started(remote.address, num_skip)
         try:
-            if receiver is not None:
-                receiver.prepare(prefill_request)  # e.g. the torch transport's rendezvous and tag
+            self._prepare(prefill_request)
         except KVTransferFault as exc:
             self._fall_back(request_id, remote.address, transfer, exc)
             return
@@ -177,13 +175,82 @@ class RemotePrefill:
                 transfer.trace.transfer_ended("remote", 0, header.num_cached_tokens)
                 return
             try:
-                await self._receive(header, responses, request_id, prefill_request, transfer)
+                try:
+                    await self._receive(header, responses, request_id, prefill_request, transfer)
+                except IpcUnavailable as exc:
+                    call.cancel()  # P lets go of the export it shared
+                    self._refuse_ipc(request_id, remote.address, exc)
+                    again = self._prefill_request(request, request_id, num_skip, "grpc")
+                    await self._pull_again(remote.address, again, metadata, started + timeout, transfer)
                 installed_at = time.monotonic()
                 transfer.seconds, transfer.link_seconds = installed_at - started, installed_at - header_at
                 self.counters.observe_transfer(transfer.seconds)
                 transfer.trace.transfer_ended("remote", transfer.num_bytes, transfer.num_cached_tokens)
             except TRANSFER_FAILURES as exc:
                 self._fall_back(request_id, remote.address, transfer, exc)
+        finally:
+            call.cancel()
+
+    def _prefill_request(
+        self, request: pb.GenerateRequest, request_id: str, num_skip: int, transport: str
+    ) -> kvpb.PrefillRequest:
+        return kvpb.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            tenant_salt=request.tenant_salt,
+            priority=request.priority,
+            num_skip_tokens=num_skip,
+            model_fingerprint=self.model_fingerprint,
+            kv_dtype=dtype_name(self.layout.dtype),
+            kv_device=self.layout.device,
+            transport=transport,
+        )
+
+    def _transport(self, remote: pb.RemotePrefill) -> str:
+        """The router's transport, except grpc for a P whose ipc handles could not be opened lately."""
+        transport = remote.transport or "grpc"
+        if transport == "ipc" and self._ipc_refused.get(remote.address, 0.0) > time.monotonic():
+            return "grpc"
+        return transport
+
+    def _prepare(self, prefill_request: kvpb.PrefillRequest) -> None:
+        receiver = self.receivers.get(prefill_request.transport)
+        if receiver is not None:
+            receiver.prepare(prefill_request)  # e.g. the torch transport's rendezvous and tag
+
+    def _refuse_ipc(self, request_id: str, address: str, exc: IpcUnavailable) -> None:
+        log.warning(
+            "ipc handle could not be opened; pulling the KV over grpc",
+            extra={"request_id": request_id, "prefill": address, "reason": str(exc)},
+        )
+        now = time.monotonic()
+        for stale in [a for a, until in self._ipc_refused.items() if until <= now]:
+            del self._ipc_refused[stale]
+        self._ipc_refused[address] = now + IPC_REFUSED_S
+        self.counters.ipc_refusals_total += 1
+
+    async def _pull_again(
+        self,
+        address: str,
+        prefill_request: kvpb.PrefillRequest,
+        metadata: tuple[tuple[str, str], ...],
+        deadline: float,
+        transfer: _Transfer,
+    ) -> None:
+        """The same KV once more, over grpc. P samples a first token again; the one already sent stands
+        (the KV is the prompt's alone). A P whose new first token ends the request has no KV to send."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise KVTransferFault("the KV transfer deadline passed")
+        call = self._stub(address).Prefill(prefill_request, metadata=metadata, timeout=remaining)
+        try:
+            responses = aiter(call)
+            header = await self._header(responses)
+            if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                raise KVTransferFault("the second prefill ended at its first token: no KV came")
+            request_id = prefill_request.request_id
+            await self._receive(header, responses, request_id, prefill_request, transfer)
         finally:
             call.cancel()
 
@@ -204,7 +271,7 @@ class RemotePrefill:
         prefill_request: kvpb.PrefillRequest,
         transfer: _Transfer,
     ) -> None:
-        assembler = KVAssembler(header, self.layout)
+        assembler = KVAssembler(header, self.layout, self.device)
         receiver = self.receivers.get(prefill_request.transport)
         if receiver is None:
             raise KVTransferFault(f"transport {prefill_request.transport!r} is not offered here")
@@ -214,6 +281,9 @@ class RemotePrefill:
                 raise KVTransferFault("a second header in the prefill stream")
             assembler.expect(item.chunk)
             assembler.add(item.chunk, await receiver.receive(prefill_request, item.chunk, self.layout))
+            # ipc asked of a P in another domain comes as bytes, as grpc's does
+            ipc_as_bytes = prefill_request.transport == "ipc" and not item.chunk.HasField("ipc")
+            transfer.transport = "grpc" if ipc_as_bytes else prefill_request.transport
         export = assembler.export()
         if transfer.first is None:
             raise KVTransferFault("KV arrived without a first token")

@@ -11,8 +11,9 @@ Only an attention backend whose launches depend on nothing but the static buffer
 captured (`graph_safe`: the Triton kernels; the torch-native path builds its gathers from host lists).
 
 On a CPU there is nothing to capture: "capture" keeps the bucket's forward as a callable and "replay"
-calls it over the same static buffers, so buckets, padding and the copies in and out run in CI, where a
-dispatch mode also checks that a replay syncs nothing to the host and repeats the same operations.
+calls it over the same static buffers into the same shared logits buffer, so buckets, padding and the
+copies in and out run in CI, where a dispatch mode also checks that a replay syncs nothing to the host,
+repeats the same operations and allocates nothing that outlives it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,28 @@ import torch
 
 from services.engine.attention import AttentionMetadata, RowSpec
 from services.engine.attention_backend import PagedAttention
+from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM
+from services.engine.ops.triton.dispatch import NUM_SEGMENTS
 
 log = logging.getLogger(__name__)
+
+
+GRAPH_MARGIN_BYTES = 64 << 20
+
+
+def estimate_graph_bytes(config: ModelConfig, max_rows: int, max_blocks: int, dtype: torch.dtype) -> int:
+    """What the captured graphs will hold, set aside in the KV plan: they are captured after the KV cache
+    is allocated, so the plan cannot measure them. The static buffers, the logits buffer every bucket
+    shares, and the largest bucket's activations (smaller buckets reuse the one pool), twice over for the
+    pool's fragmentation, plus a margin. `DecodeGraphs.capture` logs the real figure beside this one."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    static = max_rows * (8 * 4 + 4 * 2) + max_rows * max_blocks * 8  # 4 int64 and 2 int32 vectors; tables
+    logits = max_rows * config.vocab_size * 4
+    q_size = config.num_heads * config.head_dim
+    width = 4 * config.hidden_size + 2 * q_size + 3 * config.intermediate_size  # per row, one layer
+    split_kv = max_rows * config.num_heads * NUM_SEGMENTS * (config.head_dim + 2) * 4  # fp32 partials
+    return static + logits + 2 * (max_rows * width * elem + split_kv) + GRAPH_MARGIN_BYTES
 
 
 def decode_buckets(max_rows: int) -> list[int]:
@@ -164,10 +184,18 @@ class DecodeGraphs:
             return model.forward(tokens, caches, meta, indices)
 
         self._eager[bucket] = forward
-        if self.device.type != "cuda":
-            return forward
         s.seq_lens[:bucket].fill_(0)  # warm-up and capture read nothing and write nothing
         s.slot_mapping[:bucket].fill_(-1)
+        if self.device.type != "cuda":  # the same shared output buffer, the forward called as it is
+            if self._logits is None:
+                warm = forward()
+                self._logits = torch.empty(self.max_rows, *warm.shape[1:], dtype=warm.dtype)
+            shared = self._logits[:bucket]
+
+            def call() -> torch.Tensor:
+                return shared.copy_(forward())
+
+            return call
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -99,18 +99,27 @@ def check_weights_fit(weight_bytes: int, total_bytes: int, free_bytes: int, util
 
 
 def plan_device_blocks(
-    bytes_per_block: int, block_size: int, memory: DeviceMemory, utilization: float, max_model_len: int
+    bytes_per_block: int,
+    block_size: int,
+    memory: DeviceMemory,
+    utilization: float,
+    max_model_len: int,
+    graph_bytes: int = 0,
 ) -> int:
-    """KV blocks within the engine's share of the device; refuses, with figures, what cannot fit."""
+    """KV blocks within the engine's share of the device, after the weights, the warm-up's peak and the
+    decode graphs captured later (`graph_bytes`, cuda_graphs.estimate_graph_bytes); refuses, with
+    figures, what cannot fit."""
     share = int(memory.total_bytes * utilization)
-    kv_bytes = share - memory.engine_bytes
+    kv_bytes = share - memory.engine_bytes - graph_bytes
     min_blocks = -(-max_model_len // block_size)
     need = min_blocks * bytes_per_block
     if kv_bytes < need:
+        graphs = f" and {graph_bytes / GIB:.2f} GiB is kept for decode graphs" if graph_bytes else ""
         raise CapacityError(
             f"engine.gpu_memory_utilization={utilization} gives this engine {share / GIB:.2f} GiB of the "
             f"device's {memory.total_bytes / GIB:.2f} GiB; weights and warm-up take "
-            f"{memory.engine_bytes / GIB:.2f} GiB, which leaves {max(kv_bytes, 0) / MIB:.0f} MiB for KV, "
+            f"{memory.engine_bytes / GIB:.2f} GiB{graphs}, which leaves "
+            f"{max(kv_bytes, 0) / MIB:.0f} MiB for KV, "
             f"but one sequence of max_model_len={max_model_len} needs {need / MIB:.0f} MiB; raise "
             "engine.gpu_memory_utilization or lower engine.max_model_len"
         )

@@ -23,7 +23,7 @@ from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.attention_backend import PagedAttention
 from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore
-from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
 from services.engine.device import (
     check_weights_fit,
     default_batched_tokens,
@@ -131,17 +131,19 @@ def build_core_from_loaded(
             f"engine.block_size is {engine.block_size}: load it with block_size={engine.block_size}"
         )
 
+    max_blocks = -(-max_model_len_for(loaded.config, engine) // engine.block_size)
+    graph_estimate = estimate_graph_bytes(loaded.config, batch_size_limit, max_blocks, loaded.model.dtype)
+
     def model_runner(spec: KVCacheSpec, num_blocks: int) -> Runner:
         if device.type == "cpu":
             check_host_memory(loaded.weight_bytes, num_blocks * spec.bytes_per_block)
         caches = allocate_kv_caches(spec, num_blocks, device)
         runner = ModelRunner(loaded.model, caches, engine.block_size, loaded.config.vocab_size, engine.seed)
         if graphs_on:
-            max_blocks = -(-max_model_len_for(loaded.config, engine) // engine.block_size)
             graphs = DecodeGraphs(
                 loaded.model, paged, caches, engine.block_size, batch_size_limit, max_blocks
             )
-            runner.graphs = _captured(graphs, required=engine.cuda_graphs is True)
+            runner.graphs = _captured(graphs, graph_estimate, required=engine.cuda_graphs is True)
         return runner
 
     plan_blocks: BlockPlanner | None = None
@@ -153,7 +155,10 @@ def build_core_from_loaded(
             warm_up(loaded.model, spec, min(budget, max_model_len), batch_size_limit, device)
             memory = measure_device_memory(device, start)
             util = engine.gpu_memory_utilization
-            return plan_device_blocks(spec.bytes_per_block, spec.block_size, memory, util, max_model_len)
+            graph_bytes = graph_estimate if graphs_on else 0
+            return plan_device_blocks(
+                spec.bytes_per_block, spec.block_size, memory, util, max_model_len, graph_bytes
+            )
 
     return assemble_core(
         loaded.config,
@@ -167,9 +172,10 @@ def build_core_from_loaded(
     )
 
 
-def _captured(graphs: DecodeGraphs, *, required: bool) -> DecodeGraphs | None:
+def _captured(graphs: DecodeGraphs, planned_bytes: int, *, required: bool) -> DecodeGraphs | None:
     """The graphs once captured; when capture fails and they were not asked for explicitly, None (the
-    engine runs every step eagerly, logged), so the default is never worse than eager."""
+    engine runs every step eagerly, logged), so the default is never worse than eager. Graphs that took
+    more than the KV plan set aside for them are logged: that is the headroom they ate into."""
     try:
         graphs.capture()
     except (RuntimeError, torch.OutOfMemoryError) as exc:
@@ -179,6 +185,11 @@ def _captured(graphs: DecodeGraphs, *, required: bool) -> DecodeGraphs | None:
             "decode graph capture failed; running eagerly", extra={"reason": f"{type(exc).__name__}: {exc}"}
         )
         return None
+    if graphs.graph_bytes > planned_bytes:
+        log.warning(
+            "decode graphs took more memory than the KV plan set aside",
+            extra={"graph_bytes": graphs.graph_bytes, "planned_bytes": planned_bytes},
+        )
     return graphs
 
 

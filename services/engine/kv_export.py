@@ -17,7 +17,7 @@ class KVExport:
     """The KV of prompt positions start_token.. of one request, every layer: what a prefill replica ships."""
 
     start_token: int
-    kv: torch.Tensor  # [num_layers, num_tokens, 2, num_kv_heads, head_dim]
+    kv: torch.Tensor  # [num_layers, num_tokens, 2, num_kv_heads, head_dim], on the engine's device
 
 
 class KVTransferError(InvalidRequestError):

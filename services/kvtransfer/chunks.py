@@ -112,7 +112,11 @@ def from_bytes(data: bytes, layout: Layout, num_tokens: int) -> torch.Tensor:
 class KVAssembler:
     """Collects a request's chunks into one KV tensor, checking each against the header's promises."""
 
-    def __init__(self, header: kvpb.PrefillHeader, expected_layout: Layout) -> None:
+    def __init__(
+        self, header: kvpb.PrefillHeader, expected_layout: Layout, device: torch.device | str = "cpu"
+    ) -> None:
+        """Collects into a tensor on `device` (the decode replica's KV device: chunks that arrive on it,
+        from the torch or ipc transport, never pass through host memory)."""
         layout = Layout.from_proto(header.layout)
         if layout != expected_layout:
             raise KVTransferFault(f"KV layout {layout} differs from this replica's {expected_layout}")
@@ -121,7 +125,7 @@ class KVAssembler:
         self.num_tokens = header.num_kv_tokens
         self.num_chunks = header.num_chunks
         shape = (layout.num_layers, self.num_tokens, 2, layout.num_kv_heads, layout.head_dim)
-        self.kv = torch.empty(shape, dtype=layout.dtype)
+        self.kv = torch.empty(shape, dtype=layout.dtype, device=device)
         self._next_index = 0
         self._next_token = self.start_token
         self.num_bytes = 0

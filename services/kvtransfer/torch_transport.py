@@ -82,7 +82,14 @@ import torch
 import torch.distributed as dist
 
 from services.engine.kv_export import KVExport
-from services.kvtransfer.chunks import KVTransferFault, Layout, checksum, split, tokens_per_chunk
+from services.kvtransfer.chunks import (
+    TARGET_CHUNK_BYTES,
+    KVTransferFault,
+    Layout,
+    checksum,
+    split,
+    tokens_per_chunk,
+)
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 if not dist.is_available():  # services/worker/server.py then offers "grpc" only
@@ -395,6 +402,9 @@ class TorchSender:
         self._generations = itertools.count(1)
         self._links: OrderedDict[str, _Link] = OrderedDict()
         self._lock = threading.Lock()
+
+    def chunk_bytes(self, request: kvpb.PrefillRequest) -> int:
+        return TARGET_CHUNK_BYTES
 
     async def chunks(
         self, request: kvpb.PrefillRequest, export: KVExport, layout: Layout

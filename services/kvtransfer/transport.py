@@ -5,6 +5,8 @@ a transport decides where each chunk's tensor goes.
 - `services/kvtransfer/torch_transport.py`: the tensors go over a torch.distributed pair group (gloo
   between CPU processes, NCCL between GPUs); `KVChunk` then carries only positions, token count and
   checksum.
+- `services/kvtransfer/ipc_transport.py`: the decode replica maps the prefill replica's exported KV (CUDA
+  IPC on one GPU, shared memory on one host) and copies it device to device; `KVChunk` carries a handle.
 
 The decode side calls `KVReceiver.prepare` on its PrefillRequest before the call (the torch transport
 fills in `rendezvous` and `torch_tag` there), and both sides get that request with every transfer.
@@ -18,13 +20,25 @@ from typing import Protocol
 import torch
 
 from services.engine.kv_export import KVExport
-from services.kvtransfer.chunks import KVTransferFault, Layout, checksum, from_bytes, split, to_bytes
+from services.kvtransfer.chunks import (
+    TARGET_CHUNK_BYTES,
+    KVTransferFault,
+    Layout,
+    checksum,
+    from_bytes,
+    split,
+    to_bytes,
+)
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 
 class KVSender(Protocol):
     """Prefill side: turns one export into its KVChunk messages (and ships tensors out of band). The
     request is the caller's, with the fields its receiver's `prepare` filled in (rendezvous, tag)."""
+
+    def chunk_bytes(self, request: kvpb.PrefillRequest) -> int:
+        """The chunk size `chunks` splits this request's export by (the header's chunk count follows it)."""
+        ...
 
     def chunks(
         self, request: kvpb.PrefillRequest, export: KVExport, layout: Layout
@@ -44,6 +58,9 @@ class KVReceiver(Protocol):
 
 
 class GrpcSender:
+    def chunk_bytes(self, request: kvpb.PrefillRequest) -> int:
+        return TARGET_CHUNK_BYTES
+
     async def chunks(
         self, request: kvpb.PrefillRequest, export: KVExport, layout: Layout
     ) -> AsyncGenerator[kvpb.KVChunk, None]:

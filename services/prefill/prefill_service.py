@@ -74,15 +74,17 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             output = await self._first_output(request)
             if span.is_recording():
                 span.add_event("first_token", {"kvrelay.cached_tokens": output.num_cached_tokens})
-            yield kvpb.PrefillResponse(header=self._header(request, output))
+            sender = self.senders[request.transport or "grpc"]
+            header = self._header(request, output, sender.chunk_bytes(request))
+            yield kvpb.PrefillResponse(header=header)
             if output.kv is not None:
-                sender = self.senders[request.transport or "grpc"]
                 async with contextlib.aclosing(sender.chunks(request, output.kv, self.layout)) as chunks:
                     async for chunk in chunks:
                         num_bytes += chunk.num_tokens * self.layout.bytes_per_token
                         yield kvpb.PrefillResponse(chunk=chunk)
-                self.counters.bytes_total += num_bytes
-                self.counters.remote_prefills_total += 1
+                        if chunk.index + 1 == header.num_chunks:  # counted now: a sender may hold on
+                            self.counters.bytes_total += num_bytes  # (ipc) until the caller hangs up
+                            self.counters.remote_prefills_total += 1
         except InvalidRequestError as exc:
             error = exc
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -131,7 +133,9 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
                 return output
         raise EngineDeadError("the engine ended the prefill without a token")
 
-    def _header(self, request: kvpb.PrefillRequest, output: RequestOutput) -> kvpb.PrefillHeader:
+    def _header(
+        self, request: kvpb.PrefillRequest, output: RequestOutput, chunk_bytes: int
+    ) -> kvpb.PrefillHeader:
         first = output.logprobs[0] if output.logprobs else None
         token = pb.TokenLogprob(token_id=output.new_token_ids[0])
         if first is not None:
@@ -148,5 +152,5 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             num_cached_tokens=output.num_cached_tokens,
             first_token_position=request.num_skip_tokens,
             num_kv_tokens=num_kv,
-            num_chunks=num_chunks(request.num_skip_tokens, num_kv, self.layout),
+            num_chunks=num_chunks(request.num_skip_tokens, num_kv, self.layout, chunk_bytes),
         )

@@ -6,11 +6,12 @@ changes (the router passes `ReplicaSet.apply`) and runs until cancelled.
 Kubernetes: for each label selector (one per stage, e.g. the prefill and the decode pool), list the
 namespace's EndpointSlices, then watch from the list's resourceVersion, so `kubectl scale` adds or drains
 replicas without a restart. Each endpoint's first address and the port named `port_name` make one
-replica, named after its pod (targetRef), with its ready / serving / terminating conditions: an endpoint
-that is terminating or not ready gets no new requests, and its in-flight requests finish. A watch that
-ends or drops resumes from the last resourceVersion seen; one that answers 410 Gone (an HTTP 410 or an
-ERROR event with code 410) makes the router list again. Other errors are retried with a backoff, keeping
-the last known membership meanwhile.
+replica, named after its pod (targetRef; `<pod>:<port>` for a pod with several endpoints, such as the
+chart's paired pods, whose prefill and decode containers sit behind two Services), with its ready /
+serving / terminating conditions: an endpoint that is terminating or not ready gets no new requests, and
+its in-flight requests finish. A watch that ends or drops resumes from the last resourceVersion seen; one
+that answers 410 Gone (an HTTP 410 or an ERROR event with code 410) makes the router list again. Other
+errors are retried with a backoff, keeping the last known membership meanwhile.
 
 The official client is synchronous: each selector is listed and watched in its own daemon thread, which
 hands every new membership to the event loop. Cancelling `run` stops the watches (and each watch also
@@ -28,7 +29,9 @@ discovery.k8s.io, in its namespace (a Role and a RoleBinding):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -106,9 +109,10 @@ def endpoints_from_slices(slices: Iterable[EndpointSlice], port_name: str) -> li
     """The replicas in these EndpointSlices: one per address:port, sorted by name then address.
 
     Slices without the named port are skipped. An address listed twice (a pod moving between slices)
-    counts once, as its entry that accepts new requests if any does.
+    counts once, as its entry that accepts new requests if any does. A pod with several endpoints (the
+    prefill and decode containers of one pod, behind two Services) names each one `<pod>:<port>`.
     """
-    by_address: dict[str, Endpoint] = {}
+    by_address: dict[str, tuple[Endpoint, int]] = {}
     for endpoint_slice in slices:
         port = slice_port(endpoint_slice, port_name)
         if port is None:
@@ -118,9 +122,14 @@ def endpoints_from_slices(slices: Iterable[EndpointSlice], port_name: str) -> li
             if endpoint is None:
                 continue
             known = by_address.get(endpoint.address)
-            if known is None or (endpoint.accepts_new_requests and not known.accepts_new_requests):
-                by_address[endpoint.address] = endpoint
-    return sorted(by_address.values(), key=lambda e: (e.name, e.address))
+            if known is None or (endpoint.accepts_new_requests and not known[0].accepts_new_requests):
+                by_address[endpoint.address] = (endpoint, port)
+    num_per_name = collections.Counter(e.name for e, _ in by_address.values())
+    endpoints = [
+        dataclasses.replace(e, name=f"{e.name}:{port}") if num_per_name[e.name] > 1 else e
+        for e, port in by_address.values()
+    ]
+    return sorted(endpoints, key=lambda e: (e.name, e.address))
 
 
 def slice_name(endpoint_slice: EndpointSlice) -> str:

@@ -101,6 +101,16 @@ class Replica:
         return num_blocks * block_size
 
 
+def pair_transport(transport: str, prefill: pb.InfoResponse | None, decode: pb.InfoResponse | None) -> str:
+    """The KV transport for one (prefill, decode) pair, from the router's setting and the workers' Info:
+    `ipc` only where both report the same ipc_domain (one GPU, or one host's shared memory for CPU
+    workers), grpc for every other pair."""
+    if transport != "ipc":
+        return transport
+    domains = {info.ipc_domain if info is not None else "" for info in (prefill, decode)}
+    return "ipc" if len(domains) == 1 and "" not in domains else "grpc"
+
+
 class ReplicaSet:
     def __init__(
         self,

@@ -38,7 +38,7 @@ from services.router.policy import (
     Policy,
     RoundRobin,
 )
-from services.router.replicas import Replica, ReplicaSet
+from services.router.replicas import Replica, ReplicaSet, pair_transport
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -144,6 +144,11 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         if self.disaggregation.policy == "never":
             return None, Decision(False, "disaggregation_off")
         prefills = self._candidates(PREFILL_ROLES, set(), hashes, block_size)
+        if self.disaggregation.transport == "ipc":  # a prefill replica sharing D's GPU comes first
+            paired = {
+                n: p for n, p in prefills.items() if pair_transport("ipc", p[0].info, decode.info) == "ipc"
+            }
+            prefills = paired or prefills
         pick = self.prefill_policy.choose([c for _, c in prefills.values()], len(request.prompt_token_ids))
         prefill = prefills[pick.name] if pick else None
         info = decode.info
@@ -241,7 +246,9 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.remote_prefill.address = route.prefill.address
-        forwarded.remote_prefill.transport = self.disaggregation.transport
+        forwarded.remote_prefill.transport = pair_transport(
+            self.disaggregation.transport, route.prefill.info, route.decode.info
+        )
         return forwarded
 
     def _dispatched(self, route: _Route, delta: int) -> None:

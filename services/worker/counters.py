@@ -13,6 +13,7 @@ class TransferCounters:
     bytes_total: int = 0
     remote_prefills_total: int = 0
     fallbacks_total: int = 0
+    ipc_refusals_total: int = 0  # ipc handles not openable here: the KV came over grpc instead
     # Called with each completed transfer's seconds on the decode side (the worker's histogram).
     on_transfer: Callable[[float], None] | None = None
 

@@ -118,6 +118,11 @@ class _EngineCollector(Collector):
         yield self._counter(
             "kvrelay_prefill_fallbacks", "Remote prefills recomputed locally.", self.counters.fallbacks_total
         )
+        yield self._counter(
+            "kvrelay_kv_ipc_refusals",
+            "ipc handles this decode worker could not open (the KV then came over grpc).",
+            self.counters.ipc_refusals_total,
+        )
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=self.names)

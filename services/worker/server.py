@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import tracing
@@ -32,6 +33,7 @@ from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
 from services.kvtransfer.chunks import Layout
+from services.kvtransfer.ipc_transport import IpcReceiver, IpcSender, ipc_domain
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender, KVReceiver, KVSender
 from services.prefill.prefill_service import PrefillService
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
@@ -81,8 +83,6 @@ def _keep_torch_single_threaded_here() -> None:
     """This thread's torch work (KV chunks in and out) runs no OpenMP region, so the worker keeps the one
     libgomp pool of its engine thread (AsyncEngine.launch explains why a second pool slows every step).
     torch's thread count is per thread under OpenMP: the engine thread keeps its own."""
-    import torch
-
     torch.set_num_threads(1)
 
 
@@ -92,15 +92,17 @@ def kv_layout(core: EngineCore) -> Layout:
     return Layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, core.block_size, core.device.type)
 
 
-def _transports(timeout_s: float) -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:
-    senders: dict[str, KVSender] = {"grpc": GrpcSender()}
-    receivers: dict[str, KVReceiver] = {"grpc": GrpcReceiver()}
+def _transports(timeout_s: float, device: torch.device) -> tuple[dict[str, KVSender], dict[str, KVReceiver]]:
+    """Every transport this worker offers, its receivers on the KV cache's device (NCCL for torch and a
+    device-to-device copy for ipc when that is a GPU)."""
+    senders: dict[str, KVSender] = {"grpc": GrpcSender(), "ipc": IpcSender(device, hold_s=timeout_s)}
+    receivers: dict[str, KVReceiver] = {"grpc": GrpcReceiver(), "ipc": IpcReceiver(device)}
     try:
         from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
     except ImportError:  # torch.distributed is missing from this torch build
         return senders, receivers
     senders["torch"] = TorchSender(timeout_s=timeout_s)
-    receivers["torch"] = TorchReceiver(timeout_s=timeout_s)
+    receivers["torch"] = TorchReceiver(timeout_s=timeout_s, device=device)
     return senders, receivers
 
 
@@ -124,9 +126,10 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     metrics.watch(engine, counters)
     if options.metrics_port is not None:
         metrics.serve(options.host, options.metrics_port)
-    senders, receivers = _transports(config.disaggregation.transfer_timeout_ms / 1000)
+    senders, receivers = _transports(config.disaggregation.transfer_timeout_ms / 1000, core.device)
     layout = kv_layout(core)
     info.kv_bytes_per_token = layout.bytes_per_token
+    info.ipc_domain = ipc_domain(core.device)
     remote = None
     if options.role != "prefill":
         timeout_s = config.disaggregation.transfer_timeout_ms / 1000

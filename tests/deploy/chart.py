@@ -116,6 +116,22 @@ def container(objects: list[dict], stage: str) -> dict:
     return containers[0]
 
 
+def paired_container(objects: list[dict], role: str) -> dict:
+    """The paired pod's container for `role` (prefill or decode)."""
+    found = [c for c in pod_spec(objects, "paired")["containers"] if c["name"] == role]
+    assert len(found) == 1, f"expected one {role} container in the paired pod, found {len(found)}"
+    return found[0]
+
+
+def env_of(ctr: Mapping[str, Any]) -> dict[str, dict]:
+    return {e["name"]: e for e in ctr.get("env") or []}
+
+
+def effective_config_env(ctr: Mapping[str, Any]) -> dict[str, str]:
+    """The container's environment as `load_config` would see it (references to Secrets as a stand-in)."""
+    return {k: e.get("value", "redis://from-a-secret:6379/0") for k, e in env_of(ctr).items()}
+
+
 def containers_of(obj: Mapping[str, Any]) -> Iterator[dict]:
     spec = obj["spec"]["template"]["spec"]
     yield from spec.get("initContainers") or []

@@ -86,3 +86,22 @@ def allowed(policies: list[Mapping[str, Any]], source: Pod, target: Pod, port: i
             if _port_matches(rule.get("ports"), target, number):
                 return True
     return False
+
+
+def rendered_pods(objects: list[Mapping[str, Any]], namespace: str) -> dict[str, Pod]:
+    """A pod of each rendered Deployment, by component label, with every container's named ports, plus
+    "stranger" (same namespace, other labels), "other-namespace" and "prometheus" (namespace monitoring)."""
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
+    out = {}
+    for d in objects:
+        if d["kind"] != "Deployment":
+            continue
+        component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+        template = d["spec"]["template"]
+        ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]}
+        out[component] = Pod(namespace, template["metadata"]["labels"], ns_labels, ports)
+    out["stranger"] = Pod(namespace, {"app": "something-else"}, ns_labels)
+    out["other-namespace"] = Pod("apps", {"app": "client"}, {"kubernetes.io/metadata.name": "apps"})
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    out["prometheus"] = Pod("monitoring", {"app": "prometheus"}, monitoring)
+    return out

@@ -31,15 +31,19 @@ from tests.deploy.chart import (
     container_port,
     containers_of,
     deployment,
+    effective_config_env,
+    env_of,
     find,
     fullname,
     one,
+    paired_container,
     pod_spec,
     render,
 )
-from tests.deploy.netpol import Pod, allowed
+from tests.deploy.netpol import Pod, allowed, rendered_pods
 
 FINGERPRINT = "94462147180b56709595a2d5ad82bc568aa75d1a3d2659105f5319e7b2727109"
+DRA_MIN_KUBE_VERSION = "1.32.0"  # the first with resource.k8s.io/v1beta1 (the paired pods' GPU claim)
 
 COMBOS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -86,6 +90,19 @@ COMBOS: dict[str, dict[str, Any]] = {
         },
         "networkPolicy": {"codecFrom": [{"namespaceSelector": {"matchLabels": {"name": "ingress-nginx"}}}]},
     },
+    # the paired stage beside the prefill and decode stages, on CPUs (no GPU, no DRA claim)
+    "paired-cpu": {
+        "gpu": {"enabled": False},
+        "paired": {"enabled": True, "replicas": 2},
+        "config": {"disaggregation": {"transport": "ipc"}},
+    },
+    # paired pods only, each sharing one GPU through a DRA claim
+    "paired-gpu": {
+        "prefill": {"enabled": False},
+        "decode": {"enabled": False},
+        "paired": {"enabled": True, "gpu": {"dra": True}},
+        "config": {"disaggregation": {"transport": "ipc"}},
+    },
     "fetched-model": {
         "model": {
             "fetch": {
@@ -118,7 +135,29 @@ def kvrelay_deployments(objects: list[dict]) -> list[dict]:
 
 
 def stages_of(combo: str) -> tuple[str, ...]:
-    return ("codec", "router", "decode") if combo == "colocated-no-redis" else chart.STAGES
+    """The combo's one-container stages: codec, router and the enabled prefill and decode stages."""
+    return tuple(s for s in chart.STAGES if COMBOS[combo].get(s, {}).get("enabled", True))
+
+
+def is_paired(combo: str) -> bool:
+    return bool(COMBOS[combo].get("paired", {}).get("enabled", False))
+
+
+def server_containers(objects: list[dict], combo: str) -> list[tuple[str, dict]]:
+    """(stage, container) for every kvrelay server container: one per stage, two in a paired pod."""
+    out = [(stage, container(objects, stage)) for stage in stages_of(combo)]
+    if is_paired(combo):
+        out += [("paired", ctr) for ctr in pod_spec(objects, "paired")["containers"]]
+    return out
+
+
+def deployment_stages(combo: str) -> tuple[str, ...]:
+    return stages_of(combo) + (("paired",) if is_paired(combo) else ())
+
+
+def uses_dra(combo: str) -> bool:
+    values = COMBOS[combo]
+    return is_paired(combo) and values.get("gpu", {}).get("enabled", True) and values["paired"]["gpu"]["dra"]
 
 
 # -- every object is valid Kubernetes ------------------------------------------------------------------
@@ -127,6 +166,8 @@ def stages_of(combo: str) -> tuple[str, ...]:
 @pytest.mark.parametrize("combo", COMBOS)
 @pytest.mark.parametrize("version", [KUBE_VERSION, MIN_KUBE_VERSION])
 def test_every_rendered_object_validates(rendered: dict[str, list[dict]], combo: str, version: str) -> None:
+    if version == MIN_KUBE_VERSION and uses_dra(combo):
+        version = DRA_MIN_KUBE_VERSION  # resource.k8s.io/v1beta1 and pods' resourceClaims as they are now
     objects = rendered[combo]
     assert objects
     problems = []
@@ -163,6 +204,12 @@ def test_object_names_are_unique_per_kind(rendered: dict[str, list[dict]], combo
         ({"decode": {"role": "prefill"}}, "role"),
         ({"prefill": {"threads": 0}}, "threads"),
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "url"),
+        ({"config": {"disaggregation": {"transport": "rdma"}}}, "transport"),
+        ({"gpu": {"memoryUtilization": 1.5}}, "memoryUtilization"),
+        ({"gpu": {"device": "cpu"}}, "device"),
+        ({"paired": {"prefill": {"gpuMemoryUtilization": 0}}}, "gpuMemoryUtilization"),
+        ({"paired": {"gpu": {"apiVersion": "resource.k8s.io/v1alpha3"}}}, "apiVersion"),
+        ({"paired": {"replica": 2}}, "replica"),
     ],
 )
 def test_values_schema_refuses_mistakes(values: dict, complaint: str) -> None:
@@ -171,6 +218,14 @@ def test_values_schema_refuses_mistakes(values: dict, complaint: str) -> None:
 
     with helm.Chart.load(chart.CHART_DIR) as loaded, pytest.raises(helm.HelmError, match=complaint):
         loaded.validate_schema(loaded.merge_values(values))
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch", "ipc"])
+def test_values_schema_accepts_every_transport(transport: str) -> None:
+    import helm_python as helm
+
+    with helm.Chart.load(chart.CHART_DIR) as loaded:
+        loaded.validate_schema(loaded.merge_values({"config": {"disaggregation": {"transport": transport}}}))
 
 
 def test_chart_links_to_the_dashboard_and_alert_directories() -> None:
@@ -196,8 +251,8 @@ def test_helm_lint_finds_nothing_to_warn_about() -> None:
 def test_one_deployment_per_stage(rendered: dict[str, list[dict]], combo: str) -> None:
     objects = rendered[combo]
     names = sorted(d["metadata"]["name"] for d in kvrelay_deployments(objects))
-    assert names == sorted(fullname(s) for s in stages_of(combo))
-    for stage in stages_of(combo):
+    assert names == sorted(fullname(s) for s in deployment_stages(combo))
+    for stage in deployment_stages(combo):
         d = deployment(objects, stage)
         labels = d["spec"]["template"]["metadata"]["labels"]
         assert labels["app.kubernetes.io/component"] == stage
@@ -239,7 +294,7 @@ def test_worker_autoscaling_on_queue_depth(rendered: dict[str, list[dict]]) -> N
 @pytest.mark.parametrize("combo", COMBOS)
 def test_every_stage_has_a_disruption_budget(rendered: dict[str, list[dict]], combo: str) -> None:
     objects = rendered[combo]
-    for stage in stages_of(combo):
+    for stage in deployment_stages(combo):
         pdb = one(objects, "PodDisruptionBudget", fullname(stage))
         assert (
             pdb["spec"]["selector"]["matchLabels"]
@@ -342,17 +397,18 @@ def test_router_discovers_the_headless_worker_services(rendered: dict[str, list[
     args = container(objects, "router")["args"]
     assert arg_value(args, "--discovery") == "kubernetes"
     assert arg_value(args, "--namespace") == NAMESPACE
-    worker_stages = [s for s in ("prefill", "decode") if s in stages_of(combo)]
+    # (Service, Deployment, container) behind each worker pool: one per stage, one per paired container
+    pools = [(s, s, container(objects, s)) for s in ("prefill", "decode") if s in stages_of(combo)]
+    if is_paired(combo):
+        pools += [(f"paired-{r}", "paired", paired_container(objects, r)) for r in ("prefill", "decode")]
     # the EndpointSlice controller labels each slice with its Service's name
-    assert arg_values(args, "--selector") == [
-        f"kubernetes.io/service-name={fullname(s)}" for s in worker_stages
-    ]
-    for stage in worker_stages:
-        svc = one(objects, "Service", fullname(stage))
+    selectors = [f"kubernetes.io/service-name={fullname(service)}" for service, _, _ in pools]
+    assert arg_values(args, "--selector") == selectors
+    for service, stage, worker in pools:
+        svc = one(objects, "Service", fullname(service))
         assert svc["spec"]["clusterIP"] == "None"
         assert svc["spec"]["selector"] == deployment(objects, stage)["spec"]["selector"]["matchLabels"]
         port = next(p for p in svc["spec"]["ports"] if p["name"] == arg_value(args, "--port-name"))
-        worker = container(objects, stage)
         assert container_port(worker, port["targetPort"]) == int(arg_value(worker["args"], "--port"))
 
 
@@ -377,20 +433,7 @@ def test_model_fingerprint_pins_the_router_pool(rendered: dict[str, list[dict]])
 
 
 def pods(objects: list[dict]) -> dict[str, Pod]:
-    ns_labels = {"kubernetes.io/metadata.name": NAMESPACE}
-    out = {}
-    for d in find(objects, "Deployment"):
-        component = d["metadata"]["labels"]["app.kubernetes.io/component"]
-        ports = {
-            p["name"]: p["containerPort"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]
-        }
-        out[component] = Pod(NAMESPACE, d["spec"]["template"]["metadata"]["labels"], ns_labels, ports)
-    out["stranger"] = Pod(NAMESPACE, {"app": "something-else"}, ns_labels)
-    out["other-namespace"] = Pod("apps", {"app": "client"}, {"kubernetes.io/metadata.name": "apps"})
-    out["prometheus"] = Pod(
-        "monitoring", {"app": "prometheus"}, {"kubernetes.io/metadata.name": "monitoring"}
-    )
-    return out
+    return rendered_pods(objects, NAMESPACE)
 
 
 @pytest.mark.parametrize("combo", ["default", "gpu"])
@@ -495,13 +538,9 @@ def test_every_container_declares_requests_and_a_memory_limit(
 # -- Secrets and config ---------------------------------------------------------------------------------
 
 
-def env_of(ctr: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in ctr.get("env") or []}
-
-
-def mount_source(objects: list[dict], stage: str, path: str) -> dict:
-    """The pod volume mounted at the directory holding `path` in the stage's container."""
-    ctr = container(objects, stage)
+def mount_source(objects: list[dict], stage: str, path: str, ctr: dict | None = None) -> dict:
+    """The pod volume mounted at the directory holding `path` in `ctr` (default: the stage's container)."""
+    ctr = ctr or container(objects, stage)
     mount = next(m for m in ctr["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
     return next(v for v in pod_spec(objects, stage)["volumes"] if v["name"] == mount["name"])
 
@@ -567,14 +606,11 @@ def test_config_map_is_a_valid_kvrelay_config(rendered: dict[str, list[dict]], c
     objects = rendered[combo]
     path = tmp_path / "config.yaml"
     path.write_text(chart.config_yaml(objects))
-    for stage in stages_of(combo):
-        ctr = container(objects, stage)
+    for stage, ctr in server_containers(objects, combo):
         assert arg_value(ctr["args"], "--config") == "/etc/kvrelay/config/config.yaml"
-        assert mount_source(objects, stage, "/etc/kvrelay/config/config.yaml")["configMap"][
-            "name"
-        ] == fullname("config")
-        env = {k: e.get("value", "redis://from-a-secret:6379/0") for k, e in env_of(ctr).items()}
-        cfg = load_config(path, env)  # raises ConfigError on anything kvrelay would refuse
+        config_map = mount_source(objects, stage, "/etc/kvrelay/config/config.yaml", ctr)["configMap"]
+        assert config_map["name"] == fullname("config")
+        cfg = load_config(path, effective_config_env(ctr))  # ConfigError on anything kvrelay would refuse
         assert (
             cfg.model.path
             == f"/models/{COMBOS[combo].get('model', {}).get('version', 'smollm2-135m-instruct')}"
@@ -599,17 +635,18 @@ def test_config_change_rolls_the_pods() -> None:
 @pytest.mark.parametrize("combo", COMBOS)
 def test_rendered_commands_parse_with_the_kvrelay_cli(rendered: dict[str, list[dict]], combo: str) -> None:
     parser = build_parser()
-    for stage in stages_of(combo):
-        ctr = container(rendered[combo], stage)
+    for stage, ctr in server_containers(rendered[combo], combo):
         assert ctr["command"] == ["kvrelay"]
         args = parser.parse_args(ctr["args"])
-        assert args.command == ("worker" if stage in ("prefill", "decode") else stage)
+        assert args.command == ("worker" if stage in ("prefill", "decode", "paired") else stage)
         if stage in ("prefill", "decode"):
             expected_role = "colocated" if combo == "colocated-no-redis" else stage
             assert args.role == expected_role
             assert args.host == "0.0.0.0"
             assert args.name == "$(POD_NAME)"  # expanded by the kubelet from the env
             assert "POD_NAME" in env_of(ctr)
+        if stage == "paired":  # one worker per container, named apart
+            assert args.role == ctr["name"] and args.name == f"$(POD_NAME)-{ctr['name']}"
 
 
 # -- the model: a read-only volume, a version apart from the image tag ---------------------------------
@@ -618,8 +655,8 @@ def test_rendered_commands_parse_with_the_kvrelay_cli(rendered: dict[str, list[d
 @pytest.mark.parametrize("combo", COMBOS)
 def test_model_volume_is_mounted_read_only(rendered: dict[str, list[dict]], combo: str) -> None:
     objects = rendered[combo]
-    for stage in ("codec", "prefill", "decode"):
-        if stage not in stages_of(combo):
+    for stage in ("codec", "prefill", "decode", "paired"):
+        if stage not in deployment_stages(combo):
             continue
         spec = pod_spec(objects, stage)
         volume = next(v for v in spec["volumes"] if v["name"] == "model")

@@ -1,8 +1,9 @@
 """Prefill and decode as separate processes on the real model, against a colocated worker.
 
 Processes: a prefill worker (P), a decode worker (D), a router over both (R), and a colocated worker (C)
-as the reference. Every request through R is prefilled on P, its KV shipped over gRPC to D, and decoded
-there; the same request on C runs in one engine. Greedy fp32 tokens must be identical, with KV bytes
+as the reference. Every request through R is prefilled on P, its KV shipped over gRPC to D (or, through a
+second router, over the ipc transport's shared memory), and decoded there; the same request on C runs in
+one engine. Greedy fp32 tokens must be identical, with KV bytes
 actually transferred and no fallback. Then: a cancel storm, and P killed under load.
 """
 
@@ -60,24 +61,30 @@ class PDStack:
             )
             for name, address in self.addresses.items()
         }
-        self.router_address = f"127.0.0.1:{free_port()}"
+        # Two routers over the same pools: one sends the KV over grpc, the other over ipc.
+        self.router_addresses = {name: f"127.0.0.1:{free_port()}" for name in ("router", "router-ipc")}
         pool = ",".join([self.addresses["prefill"], self.addresses["decode"]])
-        self.router = Proc(
-            ["router", "--port", self.router_address.split(":")[1], "--workers", pool],
-            env,
-            logs / "router.log",
-        )
+        self.routers = {
+            name: Proc(
+                ["router", "--port", address.split(":")[1], "--workers", pool],
+                {**env, "KVRELAY_DISAGGREGATION__TRANSPORT": "ipc" if name == "router-ipc" else "grpc"},
+                logs / f"{name}.log",
+            )
+            for name, address in self.router_addresses.items()
+        }
+        self.router_address = self.router_addresses["router"]
         for name, proc in self.workers.items():
             wait_serving(self.addresses[name], proc)
-        wait_serving(self.router_address, self.router)
-        self._wait_router_sees_both_pools()
+        for name, proc in self.routers.items():
+            wait_serving(self.router_addresses[name], proc)
+            self._wait_router_sees_both_pools(self.router_addresses[name])
 
     def stub(self, name: str) -> worker_pb2_grpc.WorkerStub:
-        address = self.router_address if name == "router" else self.addresses[name]
+        address = self.router_addresses.get(name) or self.addresses[name]
         return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
 
-    def _wait_router_sees_both_pools(self) -> None:
-        status = worker_pb2_grpc.RouterStub(grpc.insecure_channel(self.router_address))
+    def _wait_router_sees_both_pools(self, address: str) -> None:
+        status = worker_pb2_grpc.RouterStub(grpc.insecure_channel(address))
         for _ in range(100):
             replicas = status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas
             if sorted(r.role for r in replicas if r.ready) == ["decode", "prefill"]:
@@ -95,7 +102,7 @@ class PDStack:
         raise TimeoutError("the router still uses the dead prefill replica")
 
     def stop(self) -> None:
-        for proc in [self.router, *self.workers.values()]:
+        for proc in [*self.routers.values(), *self.workers.values()]:
             proc.stop()
 
 
@@ -154,6 +161,24 @@ def test_remote_prefill_matches_colocated_token_for_token(pd: PDStack, prompts: 
             else:
                 assert 0 < sent_tokens <= 16, "D's cached prefix must not be sent again"
                 assert last.num_cached_tokens >= len(prompts[name]) - 16
+
+
+def test_ipc_transport_matches_colocated_token_for_token(pd: PDStack, prompts: dict[str, list[int]]) -> None:
+    """P and D are two processes on one host: the KV crosses as a shared-memory handle, not as bytes."""
+    router, colocated = pd.stub("router-ipc"), pd.stub("colocated")
+    for name in ("raw-long",):
+        prompt = [prompts[name][0], 300, *prompts[name][1:]]  # a token of its own: P computes it all
+        for turn in ("cold", "warm"):
+            rid = f"ipc-{name}-{turn}"
+            got, last = generate(router, rid, prompt)
+            want, _ = generate(colocated, rid, prompt)
+            assert got == want, f"{rid}: disaggregated tokens differ from colocated"
+            assert last.prefill_mode == pb.PREFILL_MODE_REMOTE, f"{rid}: fell back or ran locally"
+            assert last.kv_transport == "ipc" and last.kv_transfer_bytes > 0, rid
+    _, last = generate(pd.stub("router"), "grpc-router", prompts["chat-short"])
+    assert last.prefill_mode == pb.PREFILL_MODE_REMOTE and last.kv_transport == "grpc"
+    wait_idle(pd.stub("prefill"), MD)
+    wait_idle(pd.stub("decode"), MD)
 
 
 def test_seeded_sampling_is_the_same_colocated_and_disaggregated(

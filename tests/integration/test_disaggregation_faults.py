@@ -6,6 +6,10 @@ fake gRPC server in this process (the seam: only the KV transfer protocol is fak
 answers FIRST_TOKEN, so every stream that gets past the header must be FIRST_TOKEN followed by the
 model's greedy continuation of PROMPT + [FIRST_TOKEN], which the same worker computes colocated. The KV
 it ships is PROMPT's real KV, computed by an engine in this process on the same model.
+
+The ipc transport's faults come last (a handle the decode worker cannot open makes it use grpc with this
+fake for a while): the fake shares PROMPT's KV from this process, so the decode worker opens a handle of
+another process, as it would a real prefill replica's.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from services.common.manifest import load_verified_manifest
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.kvtransfer.chunks import Layout, checksum, to_bytes
+from services.kvtransfer.ipc_transport import kv_checksum, share
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from tests.engine_helpers import make_engine
-from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
+from tests.stack_helpers import Proc, free_port, run_python, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
 TOKEN = "faults-token"
@@ -59,11 +64,15 @@ class FakePrefill(kv_transfer_pb2_grpc.PrefillServicer):
         # STALL_LIMIT_S (a deadline or a cancel; False: the fake gave up first).
         self.stall_deadlines: list[float | None] = []
         self.stalls_ended_by_caller: list[bool] = []
+        self.transports: list[str] = []  # each call's, in order
+        self.shared: list[torch.Tensor] = []  # what the fake's ipc handles point into, kept alive
+        self.dead_handle: kvpb.IpcSlice | None = None  # the "dead_producer" fault's handle
 
     def Prefill(
         self, request: kvpb.PrefillRequest, context: grpc.ServicerContext
     ) -> Iterator[kvpb.PrefillResponse]:
         self.calls += 1
+        self.transports.append(request.transport)
         fault = self.fault.name
         num_kv = len(request.prompt_token_ids) - request.num_skip_tokens
         if fault == "garbage":
@@ -86,12 +95,33 @@ class FakePrefill(kv_transfer_pb2_grpc.PrefillServicer):
             self.stalls_ended_by_caller.append(ended.wait(STALL_LIMIT_S))
             return
         assert request.prompt_token_ids == PROMPT
+        if request.transport == "ipc":
+            yield kvpb.PrefillResponse(chunk=self._ipc_chunk(request, num_kv, fault))
+            return
         data = to_bytes(self.prompt_kv[:, request.num_skip_tokens :])
         crc = checksum(data) ^ (1 if fault == "checksum" else 0)
         yield kvpb.PrefillResponse(
             chunk=kvpb.KVChunk(
                 index=0, start_token=request.num_skip_tokens, num_tokens=num_kv, data=data, crc32=crc
             )
+        )
+
+    def _ipc_chunk(self, request: kvpb.PrefillRequest, num_kv: int, fault: str) -> kvpb.KVChunk:
+        """PROMPT's KV shared from this process, as the ipc transport sends it (one chunk)."""
+        kv = self.prompt_kv[:, request.num_skip_tokens :].contiguous()
+        self.shared.append(kv)
+        wire = kv.view(torch.uint8).reshape(-1)
+        handle = share(wire)
+        if fault == "dead_producer":
+            assert self.dead_handle is not None
+            handle.shm.CopyFrom(self.dead_handle.shm)
+        handle.first_token, handle.num_tokens = request.num_skip_tokens, num_kv
+        return kvpb.KVChunk(
+            index=0,
+            start_token=request.num_skip_tokens,
+            num_tokens=num_kv,
+            ipc=handle,
+            device_checksum=kv_checksum(wire) ^ (1 if fault == "checksum" else 0),
         )
 
 
@@ -154,12 +184,18 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
 
 def run(
-    rig: Rig, rid: str, remote: bool, prompt: list[int] = PROMPT, num_tokens: int = NUM_TOKENS
+    rig: Rig,
+    rid: str,
+    remote: bool,
+    prompt: list[int] = PROMPT,
+    num_tokens: int = NUM_TOKENS,
+    transport: str = "",
 ) -> tuple[list[int], pb.GenerateResponse]:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     request = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
     if remote:
         request.remote_prefill.address = rig.fake_address
+        request.remote_prefill.transport = transport
     tokens: list[int] = []
     last = pb.GenerateResponse()
     for response in rig.decode.Generate(request, metadata=MD, timeout=60):
@@ -257,4 +293,42 @@ def test_client_gone_during_a_stalled_transfer_frees_the_reservation(rig: Rig) -
     first = next(iter(call))
     assert list(first.token_ids) == [FIRST_TOKEN]
     call.cancel()
+    assert_idle(rig)
+
+
+def test_ipc_transfer_from_another_process_is_installed(rig: Rig, continued: list[int]) -> None:
+    rig.fake.fault.name = "none"
+    got, last = run(rig, "ipc-sound", remote=True, transport="ipc")
+    assert got == continued, "decoding from the KV copied out of the handle must equal recomputing it"
+    assert last.prefill_mode == pb.PREFILL_MODE_REMOTE and last.kv_transport == "ipc"
+    assert rig.fake.transports[-1] == "ipc" and last.kv_transfer_bytes > 0
+    assert_idle(rig)
+
+
+def test_ipc_checksum_mismatch_continues_locally(rig: Rig, continued: list[int]) -> None:
+    before = assert_idle(rig).prefill_fallbacks_total
+    rig.fake.fault.name = "checksum"
+    got, last = run(rig, "ipc-checksum", remote=True, transport="ipc")
+    assert got == continued, "the first token went out; the rest continues from it"
+    assert last.prefill_mode == pb.PREFILL_MODE_FALLBACK and last.kv_transfer_bytes == 0
+    assert assert_idle(rig).prefill_fallbacks_total == before + 1
+
+
+def test_ipc_handle_of_a_dead_producer_is_pulled_again_over_grpc(rig: Rig, continued: list[int]) -> None:
+    producer = """
+import sys, torch
+from services.kvtransfer.ipc_transport import share
+sys.stdout.buffer.write(share(torch.zeros(1 << 20, dtype=torch.uint8)).SerializeToString())
+"""
+    rig.fake.dead_handle = kvpb.IpcSlice.FromString(run_python(producer))  # that producer has exited
+    before = assert_idle(rig).prefill_fallbacks_total
+    rig.fake.fault.name = "dead_producer"
+    got, last = run(rig, "ipc-dead", remote=True, transport="ipc")
+    assert got == continued, "the KV pulled again over grpc must equal recomputing it"
+    assert rig.fake.transports[-2:] == ["ipc", "grpc"]
+    assert last.prefill_mode == pb.PREFILL_MODE_REMOTE and last.kv_transport == "grpc"
+    assert assert_idle(rig).prefill_fallbacks_total == before, "pulled again, not recomputed"
+    # The decode worker remembers: its next ipc request to this prefill replica goes over grpc at once.
+    got, last = run(rig, "ipc-after-dead", remote=True, transport="ipc")
+    assert got == continued and rig.fake.transports[-1] == "grpc" and last.kv_transport == "grpc"
     assert_idle(rig)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.common.errors import ConfigError
@@ -38,19 +39,27 @@ FORBIDDEN = {
 
 
 class RecordOps(TorchDispatchMode):
-    """Records each op with its output shapes; raises on an op a captured graph cannot hold."""
+    """Records each op with its output shapes; raises on an op a captured graph cannot hold. Also keeps a
+    weak reference to every tensor an op allocated (an output that is neither a view of nor a write into
+    one of that op's inputs), so a test can check that none outlives the replay."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+        self.fresh: list[weakref.ref[torch.Tensor]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
         if name in FORBIDDEN:
             raise AssertionError(f"{name} in a graph replay: a host sync or a tensor from host data")
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, tuple | list) else (out,)
-        self.ops.append((name, tuple(tuple(t.shape) for t in outs if isinstance(t, torch.Tensor))))
+        outs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+        self.ops.append((name, tuple(tuple(t.shape) for t in outs)))
+        aliases = {t.untyped_storage().data_ptr() for t in inputs}  # alive now: a match is a view or in-place
+        for t in outs:
+            if t.untyped_storage().data_ptr() not in aliases:
+                self.fresh.append(weakref.ref(t))
         return out
 
 
@@ -131,6 +140,10 @@ def test_a_replay_syncs_nothing_and_repeats_its_operations(model_dir: Path) -> N
             logits = graphs.replay(bucket)
         assert logits.shape[0] == 4 and bool(torch.isfinite(logits).all())
         recorded.append(mode.ops)
+        gc.collect()
+        kept = [t.shape for ref in mode.fresh if (t := ref()) is not None]
+        assert not kept, f"a replay allocated tensors that outlive it (a graph's pool would grow): {kept}"
+        assert mode.fresh, "the replay's own temporaries are seen"
     assert recorded[0] == recorded[1] and len(recorded[0]) > 20
 
 

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from services.common.config import EngineConfig
 from services.common.errors import CapacityError, ConfigError
+from services.engine.cuda_graphs import estimate_graph_bytes
 from services.engine.device import (
     GIB,
     MIB,
@@ -20,10 +21,16 @@ from services.engine.device import (
     plan_device_blocks,
     resolve_device,
 )
+from services.engine.models.config import ModelConfig
 
 # Llama-3.1-8B's KV: 32 layers x 2 x 8 heads x 128 x 2 bytes = 128 KiB a token, 2 MiB a 16-token block.
 BLOCK_BYTES_8B = 32 * 2 * 8 * 128 * 2 * 16
 H200 = 141 * GIB
+LLAMA_8B = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    max_position_embeddings=8192, tie_word_embeddings=False,
+)  # fmt: skip
 
 
 def test_auto_is_the_cpu_where_no_cuda_device_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,3 +110,17 @@ def test_weights_larger_than_the_share_or_the_free_memory_are_refused_before_loa
         check_weights_fit(140 * GIB, H200, 141 * GIB, 0.9)
     with pytest.raises(CapacityError, match=r"only 10.00 GiB of the device is free"):
         check_weights_fit(16 * GIB, H200, 10 * GIB, 0.9)
+
+
+def test_decode_graphs_are_set_aside_before_the_kv_cache_is_planned() -> None:
+    memory = DeviceMemory(total_bytes=H200, free_bytes=120 * GIB, engine_bytes=18 * GIB)
+    without = plan_device_blocks(BLOCK_BYTES_8B, 16, memory, 0.9, max_model_len=8192)
+    graphs = estimate_graph_bytes(LLAMA_8B, max_rows=256, max_blocks=512, dtype=torch.bfloat16)
+    with_graphs = plan_device_blocks(BLOCK_BYTES_8B, 16, memory, 0.9, max_model_len=8192, graph_bytes=graphs)
+    assert with_graphs == (int(H200 * 0.9) - 18 * GIB - graphs) // BLOCK_BYTES_8B < without
+    # The estimate grows with the largest bucket and holds at least the logits buffer every bucket shares.
+    assert graphs > 256 * LLAMA_8B.vocab_size * 4
+    assert estimate_graph_bytes(LLAMA_8B, 64, 512, torch.bfloat16) < graphs
+    tight = DeviceMemory(total_bytes=24 * GIB, free_bytes=8 * GIB, engine_bytes=20 * GIB)
+    with pytest.raises(CapacityError, match=r"GiB is kept for decode graphs"):
+        plan_device_blocks(BLOCK_BYTES_8B, 16, tight, 0.9, max_model_len=8192, graph_bytes=2 * GIB)

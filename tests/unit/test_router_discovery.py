@@ -96,6 +96,21 @@ def test_an_address_in_two_slices_counts_once_preferring_the_entry_that_accepts_
     assert endpoints_from_slices([new, old], "grpc") == [Endpoint("10.0.0.1:50051", "p1")]
 
 
+def test_two_endpoints_of_one_pod_are_named_after_the_pod_and_their_port() -> None:
+    """The chart's paired pods: a prefill and a decode container, one pod IP, two Services (two slices)."""
+    prefill = endpoint_slice("paired-prefill-x", [slice_endpoint("10.0.0.7", "paired-0")], port=50051)
+    decode = endpoint_slice("paired-decode-y", [slice_endpoint("10.0.0.7", "paired-0")], port=50052)
+    alone = endpoint_slice("decode-z", [slice_endpoint("10.0.0.8", "decode-0")], port=50051)
+    assert [(e.name, e.address) for e in endpoints_from_slices([decode, alone, prefill], "grpc")] == [
+        ("decode-0", "10.0.0.8:50051"),
+        ("paired-0:50051", "10.0.0.7:50051"),
+        ("paired-0:50052", "10.0.0.7:50052"),
+    ]
+    # one address listed in two slices is still one endpoint, named after its pod alone
+    moved = endpoint_slice("paired-prefill-w", [slice_endpoint("10.0.0.7", "paired-0")], port=50051)
+    assert [e.name for e in endpoints_from_slices([prefill, moved], "grpc")] == ["paired-0"]
+
+
 def test_gone_is_a_410_status() -> None:
     from kubernetes.client.exceptions import ApiException
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt", "priority", "num_skip_tokens", "model_fingerprint", "kv_dtype", "transport", "rendezvous", "torch_tag", "kv_device")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt", "priority", "num_skip_tokens", "model_fingerprint", "kv_dtype", "transport", "rendezvous", "torch_tag", "kv_device", "ipc_domain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class PrefillRequest(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     TORCH_TAG_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IPC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -33,7 +34,8 @@ class PrefillRequest(_message.Message):
     rendezvous: str
     torch_tag: int
     kv_device: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., num_skip_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., transport: _Optional[str] = ..., rendezvous: _Optional[str] = ..., torch_tag: _Optional[int] = ..., kv_device: _Optional[str] = ...) -> None: ...
+    ipc_domain: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., num_skip_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., transport: _Optional[str] = ..., rendezvous: _Optional[str] = ..., torch_tag: _Optional[int] = ..., kv_device: _Optional[str] = ..., ipc_domain: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "device")
@@ -74,18 +76,64 @@ class PrefillHeader(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_token: _Optional[_Union[_worker_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_worker_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., first_token_position: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("index", "start_token", "num_tokens", "data", "crc32")
+    __slots__ = ("index", "start_token", "num_tokens", "data", "crc32", "ipc", "device_checksum")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     index: int
     start_token: int
     num_tokens: int
     data: bytes
     crc32: int
-    def __init__(self, index: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    ipc: IpcSlice
+    device_checksum: int
+    def __init__(self, index: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., ipc: _Optional[_Union[IpcSlice, _Mapping]] = ..., device_checksum: _Optional[int] = ...) -> None: ...
+
+class IpcSlice(_message.Message):
+    __slots__ = ("cuda", "shm", "offset_bytes", "first_token", "num_tokens")
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cuda: CudaIpcStorage
+    shm: SharedMemoryStorage
+    offset_bytes: int
+    first_token: int
+    num_tokens: int
+    def __init__(self, cuda: _Optional[_Union[CudaIpcStorage, _Mapping]] = ..., shm: _Optional[_Union[SharedMemoryStorage, _Mapping]] = ..., offset_bytes: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class CudaIpcStorage(_message.Message):
+    __slots__ = ("handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class SharedMemoryStorage(_message.Message):
+    __slots__ = ("manager", "name", "size_bytes")
+    MANAGER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    manager: bytes
+    name: bytes
+    size_bytes: int
+    def __init__(self, manager: _Optional[bytes] = ..., name: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("header", "chunk")

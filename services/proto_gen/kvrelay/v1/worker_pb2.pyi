@@ -108,7 +108,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "prefill_mode", "kv_transfer_bytes", "kv_transfer_seconds", "kv_link_seconds")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "prefill_mode", "kv_transfer_bytes", "kv_transfer_seconds", "kv_link_seconds", "kv_transport")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class GenerateResponse(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_LINK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -129,7 +130,8 @@ class GenerateResponse(_message.Message):
     kv_transfer_bytes: int
     kv_transfer_seconds: float
     kv_link_seconds: float
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_link_seconds: _Optional[float] = ...) -> None: ...
+    kv_transport: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_link_seconds: _Optional[float] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -146,7 +148,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name")
+    __slots__ = ("model_name", "max_context", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class InfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    IPC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context: int
     block_size: int
@@ -167,7 +170,8 @@ class InfoResponse(_message.Message):
     dtype: str
     kv_bytes_per_token: int
     name: str
-    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    ipc_domain: str
+    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("total", "active", "cached", "free")
