@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
+from services.codec.text.tokenizer import Tokenizer
 from services.common.manifest import load_verified_manifest
 from tests.reference_prompts import raw_reference_cases, reference_cases
 

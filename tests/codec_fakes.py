@@ -15,19 +15,19 @@ import uvicorn
 from fastapi import FastAPI
 
 from services.codec.app import create_app
-from services.codec.backend import (
+from services.codec.backend.protocol import (
     BackendFailedError,
     BackendInfo,
     BackendUnavailableError,
-    GenerateInput,
+    GenerationRequest,
     ServiceStatus,
     TokenDelta,
-    TokenLogprobOut,
 )
 from services.codec.state import CodecIdentity
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig, LimitsConfig
 from services.common.manifest import load_verified_manifest
+from services.common.outputs import FinishReason, TokenLogprob
 
 MODEL_NAME = "smollm2-test"
 MAX_CONTEXT = 2048
@@ -56,7 +56,7 @@ def token_deltas(
         ids = token_ids[start : start + chunk_size]
         is_last = start + chunk_size >= len(token_ids)
         outs = [
-            TokenLogprobOut(tid, -(start + k + 1) / 10, [(tid, -(start + k + 1) / 10), (0, -5.0)])
+            TokenLogprob(tid, -(start + k + 1) / 10, [(tid, -(start + k + 1) / 10), (0, -5.0)])
             for k, tid in enumerate(ids)
         ]
         deltas.append(
@@ -64,7 +64,7 @@ def token_deltas(
                 index=index,
                 token_ids=ids,
                 logprobs=outs if logprobs else [],
-                finish_reason=finish_reason if is_last else None,
+                finish_reason=FinishReason(finish_reason) if is_last else None,
                 num_prompt_tokens=num_prompt_tokens,
                 num_cached_tokens=num_cached_tokens,
             )
@@ -80,7 +80,7 @@ def interleave(*streams: list[TokenDelta]) -> list[TokenDelta]:
     return merged
 
 
-Script = Callable[[GenerateInput], list[TokenDelta]]
+Script = Callable[[GenerationRequest], list[TokenDelta]]
 
 
 def scripted(
@@ -95,7 +95,7 @@ def scripted(
     """A script that plays `samples[i % len(samples)]` for sample i of each request, interleaved.
     A "stop" finish appends EOS, as the engine does."""
 
-    def script(request: GenerateInput) -> list[TokenDelta]:
+    def script(request: GenerationRequest) -> list[TokenDelta]:
         streams = []
         for index in range(request.sampling.n):
             ids = list(samples[index % len(samples)])
@@ -122,13 +122,13 @@ class FakeBackend:
 
     tokenizer_fingerprint: str
     script: Script = field(default=lambda request: [])
-    max_context: int = MAX_CONTEXT
+    max_model_len: int = MAX_CONTEXT
     vocab_size: int = 49152
     is_unavailable: bool = False
     fail_after: int | None = None  # raise BackendFailedError before delta k
     stall_before: int | None = None  # never yield delta k: wait there until the stream is closed
     delay_s: float = 0.0
-    seen: list[GenerateInput] = field(default_factory=list)
+    seen: list[GenerationRequest] = field(default_factory=list)
     closed_early: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     statuses_value: list[ServiceStatus] = field(default_factory=list)
@@ -148,10 +148,10 @@ class FakeBackend:
         if self.is_unavailable:
             raise BackendUnavailableError("fake backend is down")
         return BackendInfo(
-            MODEL_NAME, self.max_context, 16, "fake-model-fp", self.tokenizer_fingerprint, self.vocab_size
+            MODEL_NAME, self.max_model_len, 16, "fake-model-fp", self.tokenizer_fingerprint, self.vocab_size
         )
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         self.seen.append(request)
         if self.is_unavailable:
             raise BackendUnavailableError("fake backend is down")

@@ -21,12 +21,13 @@ import torch
 
 from services.common.config import load_config
 from services.common.manifest import Manifest
+from services.common.outputs import TokenLogprob
 from services.engine.block_pool import NO_BLOCK
 from services.engine.core import EngineCore
 from services.engine.factory import assemble_core
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.models.config import ModelConfig
-from services.engine.request import PLACEHOLDER, Request, SeqId, TokenLogprob
+from services.engine.request import PLACEHOLDER, Request, SeqId
 from services.engine.runner_protocol import PendingStep, Runner, StepResult
 from services.engine.scheduler import SchedulerOutput
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from services.common.config import load_config
+from services.common.outputs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, RequestOutput
-from services.engine.request import TokenLogprob
 
 
 def make_engine(

@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
 def chat_prompts(model_dir: Path, count: int) -> list[list[int]]:
     """`count` chat prompts (QUESTIONS in turn) rendered and encoded with the model's own template."""
-    from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
-    from services.codec.tokenizer import Tokenizer
+    from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
+    from services.codec.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     template = chat_template_from_tokenizer(tokenizer)

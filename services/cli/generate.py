@@ -48,7 +48,7 @@ class _Line:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.codec.tokenizer import Tokenizer
+    from services.codec.text.tokenizer import Tokenizer
     from services.engine.core import EngineCore
 
     cfg = load_config(args.config)
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _parse_line(index: int, raw: str, tokenizer, defaults: dict[str, Any]) -> _Line:
-    from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
+    from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
 
     try:
         obj = json.loads(raw)

@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from services.codec.auth import (
+from services.codec.admission.auth import (
     TENANT_PATTERN,
     KeyRecord,
     key_digest,

@@ -7,15 +7,16 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcon
 
 from fastapi import FastAPI
 
-from services.codec import anthropic_messages, openai_chat, openai_completions, routes_health, routes_misc
-from services.codec.auth import Authenticator, AuthMiddleware
-from services.codec.backend import Backend
+from services.codec import routes_health, routes_misc
+from services.codec.admission.auth import Authenticator, AuthMiddleware
+from services.codec.backend.protocol import Backend
 from services.codec.errors import install_error_handlers
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from services.codec.openai_responses import install_responses
+from services.codec.protocols import anthropic_messages, openai_chat, openai_completions
+from services.codec.protocols.openai_responses import install_responses
 from services.codec.routes_health import kvrelay_version
 from services.codec.state import CodecIdentity, CodecState
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 
 

@@ -24,16 +24,21 @@ The codec adds these leaves to the common tree (services/common/errors.py); each
     └── BackendFailedError                    500 before the stream; an in-band error event after
     any other exception                       500 server_error, logged with the request ID, never leaked
 
-`describe` is the one mapping from an exception to its wire error; the JSON handlers, the middleware's
-fallback and the in-band stream error all use it. `error_response` picks the shape from the request
-path when the response is sent, so the middleware's errors (413, last-resort 500) follow it too.
+Admission's refusals (services/codec/admission/errors.py: 429, 503, 529 on Anthropic's routes) carry
+their own wire error (`wire_error()`, the `WireMapped` protocol), which `describe` uses as it is.
+
+`describe` is the one mapping from an exception to its wire error; the handlers `install_error_handlers`
+registers (one per family: kvrelay's tree, FastAPI's validation errors, Starlette's HTTP errors), the
+middleware's fallback, the public gRPC API and the in-band stream error all use it, so no route catches
+an error to answer it by hand. `error_response` picks the shape (and, for a 529, the status) from the
+request path when the response is sent, so the middleware's errors (413, last-resort 500) follow it too.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from services.codec.backend import BackendFailedError, BackendRejectedError, BackendUnavailableError
+from services.codec.backend.protocol import BackendFailedError, BackendRejectedError, BackendUnavailableError
 from services.codec.metrics import STATUS_CLIENT_CLOSED
 from services.common.errors import ContextLengthExceededError, InvalidRequestError, KvrelayError
 
@@ -109,7 +114,8 @@ class UnknownModelError(InvalidRequestError):
 
 
 class AuthenticationError(KvrelayError):
-    """No API key, or one that is not valid (services/codec/auth.py). The message never holds the key."""
+    """No API key, or one that is not valid (services/codec/admission/auth.py). The message never holds
+    the key."""
 
     def __init__(self, *, is_missing: bool) -> None:
         super().__init__(
@@ -148,6 +154,7 @@ class WireError:
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    anthropic_status: int | None = None  # another status on Anthropic's routes (529 for overloaded)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -160,11 +167,18 @@ class WireError:
             message = f"{self.param}: {message}"
         body: dict[str, Any] = {
             "type": "error",
-            "error": {"type": anthropic_error_type(self.status), "message": message},
+            "error": {"type": anthropic_error_type(self.anthropic_status or self.status), "message": message},
         }
         if request_id is not None:
             body["request_id"] = request_id
         return body
+
+
+@runtime_checkable
+class WireMapped(Protocol):
+    """An error that knows its own wire form (admission's refusals)."""
+
+    def wire_error(self) -> WireError: ...
 
 
 def anthropic_error_type(status: int) -> str:
@@ -188,6 +202,8 @@ _INVALID_STATUS: tuple[tuple[type[InvalidRequestError], int, str | None], ...] =
 
 def describe(exc: BaseException, request_id: str = "") -> WireError:
     """The wire error for `exc`. Unexpected exceptions get a generic message; log them separately."""
+    if isinstance(exc, WireMapped):
+        return exc.wire_error()
     if isinstance(exc, InvalidRequestError):
         for cls, status, code in _INVALID_STATUS:
             if isinstance(exc, cls):
@@ -224,7 +240,7 @@ def is_expected(exc: BaseException) -> bool:
         BackendRejectedError,
         BackendUnavailableError,
     )
-    return isinstance(exc, expected)
+    return isinstance(exc, (*expected, WireMapped))
 
 
 class ErrorResponse(JSONResponse):
@@ -238,6 +254,7 @@ class ErrorResponse(JSONResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if is_anthropic_path(str(scope.get("path", ""))):
             request_id = str(scope.get("state", {}).get("request_id", ""))
+            self.status_code = self.error.anthropic_status or self.status_code
             self.body = self.render(self.error.anthropic_body(request_id))
             self.headers["content-length"] = str(len(self.body))
             self.headers[ANTHROPIC_REQUEST_ID_HEADER] = request_id

@@ -19,61 +19,28 @@ includes queueing and the whole prefill); the request timeout bounds it.
 
 `start(..., on_close=...)` runs an async callback once when the stream closes, however it closes, with
 the tokens the request used (prompt + generated so far), or None when the backend produced nothing:
-admission control (limits.py) settles or releases its quota and slot there.
+the admission gate (admission/gate.py) settles or releases its quota and slot there.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import anyio
 
-from services.codec.backend import Backend, BackendFailedError, GenerateInput, TokenDelta, TokenLogprobOut
-from services.codec.detokenizer import IncrementalDetokenizer
-from services.codec.limits_errors import StepTimeoutError
+from services.codec.admission.errors import StepTimeoutError
+from services.codec.backend.protocol import Backend, BackendFailedError, GenerationRequest, TokenDelta
 from services.codec.metrics import CodecMetrics, RequestStats
-from services.codec.stop_strings import StopStringMatcher
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.detokenizer import IncrementalDetokenizer
+from services.codec.text.stop_strings import StopStringMatcher
+from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI-compatible servers clamp to this
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens, or the context is full
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    stop: tuple[str, ...] = ()
-    timeout_s: float | None = None
-    session_key: str = ""  # routing affinity only (session.py); "" lets the router choose freely
-    # The prefix-cache namespace. None: the authenticated tenant's (auth stamps it on RequestStats), so
-    # it never comes from the request body; set it only from `tenancy.tenant_of(request).cache_salt`.
-    tenant_salt: bytes | None = None
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    token: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: tuple[TopLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -136,15 +103,7 @@ class Generator:
     ) -> GenerationStream:
         """Sends `request` and waits for its first delta. Backend errors raise here, before any byte.
         `on_close` runs once when the stream closes (here too, if starting fails)."""
-        backend_input = GenerateInput(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling=request.sampling,
-            session_key=request.session_key,
-            tenant_salt=_tenant_salt(request, stats),
-            timeout_s=request.timeout_s,
-        )
-        iterator = aiter(self._backend.generate(backend_input))
+        iterator = aiter(self._backend.generate(request))
         self.num_requests_total += 1
         self.num_running += 1
         stream = GenerationStream(
@@ -167,13 +126,6 @@ class Generator:
 
     def _on_close(self) -> None:
         self.num_running -= 1
-
-
-def _tenant_salt(request: GenerationRequest, stats: RequestStats) -> bytes:
-    """The request's salt if set, else its authenticated tenant's; b"" (unsalted) only without auth."""
-    if request.tenant_salt is not None:
-        return request.tenant_salt
-    return stats.tenant.cache_salt if stats.tenant is not None else b""
 
 
 class GenerationStream:
@@ -327,13 +279,13 @@ class _Sample:
             self.is_stopped_here = True
             return self._finish(result.text, FinishReason.STOP, result.stop)
         if delta.finish_reason is not None:
-            return self._finish(result.text + self._matcher.flush(), FinishReason(delta.finish_reason), None)
+            return self._finish(result.text + self._matcher.flush(), delta.finish_reason, None)
         return self._text(result.text)
 
     def _visible_ids(self, delta: TokenDelta) -> Sequence[int]:
         """The delta's tokens minus a final stop token (EOS or a user stop ID): it is not output text."""
         ids = delta.token_ids
-        if delta.finish_reason == FinishReason.STOP.value and ids and ids[-1] in self._hidden_stop_ids:
+        if delta.finish_reason == FinishReason.STOP and ids and ids[-1] in self._hidden_stop_ids:
             return ids[:-1]
         return ids
 
@@ -353,13 +305,15 @@ class _Sample:
         events.append(SampleFinished(self.index, reason, stop, self.num_tokens))
         return events
 
-    def _logprob(self, out: TokenLogprobOut) -> TokenLogprob:
-        top = out.top[: self._num_top_logprobs or 0]
+    def _logprob(self, out: TokenLogprob) -> TokenLogprob:
+        """`out` with the text of its token and of each alternative kept (logprobs clamped for JSON)."""
+        top = [(tid, max(lp, MIN_LOGPROB)) for tid, lp in out.top[: self._num_top_logprobs or 0]]
         return TokenLogprob(
             token_id=out.token_id,
-            token=self._token_text(out.token_id),
             logprob=max(out.logprob, MIN_LOGPROB),
-            top=tuple(TopLogprob(tid, self._token_text(tid), max(lp, MIN_LOGPROB)) for tid, lp in top),
+            top=top,
+            token=self._token_text(out.token_id),
+            top_tokens=tuple(self._token_text(tid) for tid, _ in top),
         )
 
     def _token_text(self, token_id: int) -> str:

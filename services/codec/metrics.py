@@ -3,10 +3,9 @@ per-request timings that feed them and the access log.
 
 `RequestStats` is filled while a request runs (the handler sets the protocol and token counts, the
 generation stream records token arrival); the middleware hands it to `CodecMetrics.observe_request`
-once the response is finished. The auth middleware stamps the request's tenant and key ID on it
-(`identify`), which labels the per-tenant prefix-cache counters and fills the audit line. On the public
-gRPC API the auth interceptor sets `CALL_TENANT` for the call instead, and stats created within the
-call take their tenant from it.
+once the response is finished. The request's tenant is held here and nowhere else (`identify`: the
+auth middleware on HTTP, the servicer from its interceptor's hand-off on gRPC): it labels the
+per-tenant prefix-cache counters, fills the audit line, and is what `tenancy.tenant_of` reads.
 """
 
 from __future__ import annotations
@@ -14,22 +13,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from services.codec.tenancy import DEFAULT_TENANT, Tenant
+from services.codec.admission.tenancy import DEFAULT_TENANT, Tenant
 from services.common import tracing
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client went away first"
-
-# The authenticated tenant of the running public gRPC call (each call runs in its own task and context).
-CALL_TENANT: ContextVar[Tenant | None] = ContextVar("kvrelay_call_tenant", default=None)
 
 
 class StreamOutcome(Enum):
@@ -61,10 +56,6 @@ class RequestStats:
     stream_outcome: StreamOutcome | None = None
     tenant: Tenant | None = None  # set by auth (None: refused before it, or a probe path)
     queue_wait_s: float | None = None  # time spent waiting for admission, when it had to wait
-
-    def __post_init__(self) -> None:
-        if self.tenant is None:
-            self.tenant = CALL_TENANT.get()
 
     def identify(self, tenant: Tenant) -> None:
         """Whose request this is: its prefix-cache salt, its prefix-cache counts and its audit line."""

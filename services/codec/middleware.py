@@ -6,7 +6,7 @@ turns an exception nothing else handled into a 500 in OpenAI's shape (logged wit
 leaked), and when the response is done records metrics and writes the request's one audit line (JSON,
 logger "kvrelay.access"): key ID, tenant, route, status, timings and token counts, never text. A
 stream that ended badly after its 200 is logged and counted with the status it would have had (500
-failed, 499 client gone) and its `outcome`. Auth (services/codec/auth.py) runs inside it, so a 401
+failed, 499 client gone) and its `outcome`. Auth (services/codec/admission/auth.py) runs inside it, so a 401
 gets its line too. With tracing on, it also opens the request's root span (services/common/tracing.py),
 under which the codec's stage spans and the router's spans hang; probes and scrapes are not traced.
 

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from services.codec.backend import BackendUnavailableError, ServiceStatus
+from services.codec.backend.protocol import BackendUnavailableError, ServiceStatus
 from services.codec.state import CodecState, codec_state
 
 KV_BLOCK_KEYS = ("total", "active", "cached", "free")
@@ -43,7 +43,7 @@ async def ready(request: Request) -> JSONResponse:
 async def version_info(request: Request) -> JSONResponse:
     state = codec_state(request)
     backend: dict[str, Any] | None = None
-    info = state.admission.cached_info
+    info = state.info.cached
     if info is not None:
         backend = {
             "model_name": info.model_name,

@@ -14,11 +14,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.codec.backend import BackendUnavailableError
-from services.codec.prompts import check_token_ids, encode_chat, encode_text
-from services.codec.request_body import parse_schema, read_json_object
-from services.codec.schemas.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
+from services.codec.backend.protocol import BackendUnavailableError
+from services.codec.protocols.request_body import parse_schema, read_json_object
+from services.codec.protocols.schemas.tokenize import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeTextRequest,
+)
 from services.codec.state import CodecState, codec_state
+from services.codec.text.prompts import check_token_ids, encode_chat, encode_text
 
 OWNER = "kvrelay"
 
@@ -92,6 +96,6 @@ def _model_card(state: CodecState) -> dict[str, Any]:
 async def _max_model_len(state: CodecState) -> int | None:
     """The model's context, or None while the backend has never answered (tokenizing still works)."""
     try:
-        return (await state.admission.backend_info()).max_context
+        return (await state.info.get()).max_model_len
     except BackendUnavailableError:
         return None

@@ -1,5 +1,5 @@
 """Running the codec: load and verify the tokenizer, connect to the router, serve HTTP with uvicorn and,
-with a gRPC port, the public gRPC API (grpc_public_server.py) on the same event loop.
+with a gRPC port, the public gRPC API (grpc_public/server.py) on the same event loop.
 
 The tokenizer directory is checked against its manifest (tokenizer scope) first, so the fingerprints
 the codec reports are those of the files it actually loaded. The API keys file (auth.keys_file) is
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import uvicorn
 
+from services.codec.admission.auth import Authenticator
 from services.codec.app import create_app
-from services.codec.auth import Authenticator
-from services.codec.backend import Backend
-from services.codec.grpc_public_server import PublicGrpcServer
+from services.codec.backend.protocol import Backend
+from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.state import CodecIdentity
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
 from services.common.config import KvrelayConfig, TlsConfig, load_config
 from services.common.logs import configure_logging
@@ -57,7 +57,7 @@ def load_tokenizer(model_dir: Path, config: KvrelayConfig) -> tuple[Tokenizer, C
 
 def connect_backend(router_address: str, tls: TlsConfig | None = None) -> Backend:
     """The gRPC backend to the router. Call inside the running event loop (gRPC aio binds to it)."""
-    from services.codec.grpc_backend import GrpcBackend
+    from services.codec.backend.grpc_client import GrpcBackend
     from services.common.grpc_auth import TokenSource
 
     return GrpcBackend(router_address, TokenSource.from_env(), tls)

@@ -2,8 +2,8 @@
 
 `create_app` builds one `CodecState` and stores it on `app.state.codec`; routes reach it through
 `codec_state(request)`. Per-request values (request ID, `RequestStats`) live in the ASGI scope's
-state, set by the middleware. `limits` is admission control (quotas and the fair queue, limits.py);
-its quota store may hold a Redis client, which `aclose` closes at shutdown.
+state, set by the middleware. `gate` is admission (admission/gate.py: context rules, quotas, the fair
+queue); its quota store may hold a Redis client, which `aclose` closes at shutdown.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from pathlib import Path
 
 from fastapi import Request
 
-from services.codec.admission import Admission
-from services.codec.backend import Backend
-from services.codec.chat_template import ChatTemplate, chat_template_from_tokenizer
+from services.codec.admission.gate import Gate
+from services.codec.admission.metrics import LimitsMetrics
+from services.codec.backend.info import BackendInfoCache
+from services.codec.backend.protocol import Backend
+from services.codec.backend.readiness import Readiness
 from services.codec.errors import UnknownModelError
 from services.codec.generation import Generator
-from services.codec.limits import AdmissionLimits
-from services.codec.limits_metrics import LimitsMetrics
 from services.codec.metrics import CodecMetrics, RequestStats
-from services.codec.readiness import Readiness
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.chat_template import ChatTemplate, chat_template_from_tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.common.errors import ConfigError, InvalidRequestError
 
@@ -58,10 +58,10 @@ class CodecState:
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     metrics: CodecMetrics
-    admission: Admission
+    info: BackendInfoCache
     generator: Generator
     readiness: Readiness
-    limits: AdmissionLimits
+    gate: Gate
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -70,6 +70,14 @@ class CodecState:
     ) -> CodecState:
         metrics = CodecMetrics()
         limits_metrics = LimitsMetrics(metrics.registry)
+        info = BackendInfoCache(backend)
+        generator = Generator(
+            backend,
+            tokenizer,
+            metrics,
+            step_timeout_s=config.limits.step_timeout_ms / 1000.0,
+            on_step_timeout=limits_metrics.step_timeouts.inc,
+        )
         return cls(
             identity=identity,
             config=config,
@@ -77,21 +85,15 @@ class CodecState:
             tokenizer=tokenizer,
             chat_template=_chat_template(tokenizer, config.model.chat_template),
             metrics=metrics,
-            admission=Admission(backend, config.limits),
-            generator=Generator(
-                backend,
-                tokenizer,
-                metrics,
-                step_timeout_s=config.limits.step_timeout_ms / 1000.0,
-                on_step_timeout=limits_metrics.step_timeouts.inc,
-            ),
+            info=info,
+            generator=generator,
             readiness=Readiness(backend, identity.tokenizer_fingerprint),
-            limits=AdmissionLimits.from_config(config, limits_metrics, os.environ),
+            gate=Gate.from_config(config, info, generator, limits_metrics, os.environ),
         )
 
     async def aclose(self) -> None:
         """Releases what the state holds besides the backend (the quota store's connections)."""
-        await self.limits.aclose()
+        await self.gate.aclose()
 
     def check_model(self, model: str | None) -> None:
         """404 model_not_found unless `model` is the served name (None is allowed where optional)."""
@@ -102,6 +104,10 @@ class CodecState:
         if self.chat_template is None:
             return chat_template_from_tokenizer(self.tokenizer)  # raises ChatTemplateMissingError
         return self.chat_template
+
+    async def vocab_size(self) -> int:
+        """The backend's vocabulary size (fetched on first use)."""
+        return (await self.info.get()).vocab_size
 
     @property
     def request_timeout_s(self) -> float:

@@ -5,7 +5,7 @@ the parent hash) and the tenant salt (the extra key). Equal hashes mean reusable
 
 Canonical encoding of one block (all integers unsigned 32-bit little-endian), hashed with SHA-256:
 
-    b"KVB1" ‖ parent (32 bytes) ‖ len(extra_key) ‖ extra_key ‖ num_tokens ‖ token_ids[0] ‖ …
+    b"KVB1" ‖ parent (32 bytes) ‖ len(cache_salt) ‖ cache_salt ‖ num_tokens ‖ token_ids[0] ‖ …
 
 The parent of block 0 is `root_hash(model_fingerprint)`, so a new fingerprint never reuses old
 cache. Only full blocks are hashed; the partial tail has no hash until it fills.
@@ -13,7 +13,7 @@ cache. Only full blocks are hashed; the partial tail has no hash until it fills.
 The extra key (the tenant salt) is mixed into every block, not only the first. The chain alone
 would carry it along, but then a block's hash would mean something only next to its ancestors.
 With the salt in each block, every hash is self-contained: the router's index, and anyone reading
-a KV event of (parent, token_ids, extra_key), can check one block on its own, and tenant
+a KV event of (parent, token_ids, cache_salt), can check one block on its own, and tenant
 isolation does not rest on the chain being intact. The encoding is also the same for every block,
 with no special case for block 0. See docs/block-hashing.md.
 """
@@ -41,20 +41,20 @@ def root_hash(model_fingerprint: str) -> bytes:
     return hashlib.sha256(ROOT_DOMAIN + model_fingerprint.encode("utf-8")).digest()
 
 
-def hash_block(parent: bytes, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
+def hash_block(parent: bytes, token_ids: Sequence[int], cache_salt: bytes = b"") -> bytes:
     """The 32-byte hash of one block whose predecessor hashed to `parent`. Any number of tokens."""
     _check_parent(parent)
-    return _digest(parent, _extra_header(extra_key), _token_bytes(token_ids), len(token_ids))
+    return _digest(parent, _extra_header(cache_salt), _token_bytes(token_ids), len(token_ids))
 
 
 def hash_token_blocks(
-    root: bytes, token_ids: Sequence[int], block_size: int, extra_key: bytes = b""
+    root: bytes, token_ids: Sequence[int], block_size: int, cache_salt: bytes = b""
 ) -> list[bytes]:
     """Chained hashes of every full block of `token_ids`, starting from `root`; the tail is skipped."""
     _check_parent(root)
     _check_block_size(block_size)
     num_blocks = len(token_ids) // block_size
-    return _chain(root, token_ids[: num_blocks * block_size], block_size, _extra_header(extra_key))
+    return _chain(root, token_ids[: num_blocks * block_size], block_size, _extra_header(cache_salt))
 
 
 def hex_hash(block_hash: bytes) -> str:
@@ -69,13 +69,13 @@ class BlockHasher:
     Token lists are append-only, so earlier tokens are never re-read.
     """
 
-    def __init__(self, root: bytes, block_size: int, extra_key: bytes = b"") -> None:
+    def __init__(self, root: bytes, block_size: int, cache_salt: bytes = b"") -> None:
         _check_parent(root)
         _check_block_size(block_size)
         self.root = root
         self.block_size = block_size
         self.hashes: list[bytes] = []
-        self._extra_header = _extra_header(extra_key)
+        self._extra_header = _extra_header(cache_salt)
 
     @property
     def num_hashed_tokens(self) -> int:
@@ -119,10 +119,10 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return tokens.tobytes()
 
 
-def _extra_header(extra_key: bytes) -> bytes:
-    if len(extra_key) > _MAX_EXTRA_KEY_LEN:
-        raise ValueError(f"extra_key is {len(extra_key)} bytes; at most {_MAX_EXTRA_KEY_LEN} fit")
-    return _U32.pack(len(extra_key)) + bytes(extra_key)
+def _extra_header(cache_salt: bytes) -> bytes:
+    if len(cache_salt) > _MAX_EXTRA_KEY_LEN:
+        raise ValueError(f"cache_salt is {len(cache_salt)} bytes; at most {_MAX_EXTRA_KEY_LEN} fit")
+    return _U32.pack(len(cache_salt)) + bytes(cache_salt)
 
 
 def _check_parent(parent: bytes) -> None:

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 
-FINISH_TO_PROTO = {
+# HANDOFF never crosses: a prefill replica's handoff is the header's first token, not a finish.
+FINISH_TO_PROTO: dict[FinishReason | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+FINISH_FROM_PROTO: dict[pb.FinishReason, FinishReason | None] = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def logprob_to_proto(logprob: TokenLogprob) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in logprob.top]
+    return pb.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, top=top)
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:

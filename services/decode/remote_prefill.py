@@ -28,9 +28,9 @@ import grpc
 from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
-from services.common.proto_convert import FINISH_FROM_PROTO, sampling_from_proto
+from services.common.outputs import FinishReason, TokenLogprob
+from services.common.proto_convert import FINISH_FROM_PROTO, logprob_from_proto, sampling_from_proto
 from services.engine.async_engine import AsyncEngine
-from services.engine.request import FinishReason, TokenLogprob
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
 from services.kvtransfer.ipc_transport import IpcUnavailable
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
@@ -98,7 +98,7 @@ class RemotePrefill:
             list(request.prompt_token_ids),
             params,
             priority=request.priority,
-            extra_key=bytes(request.tenant_salt),
+            cache_salt=bytes(request.cache_salt),
         )
         if num_skip is None:
             return
@@ -163,14 +163,10 @@ class RemotePrefill:
                 self._fall_back(request_id, remote.address, transfer, exc)
                 return
             transfer.num_cached_tokens = header.num_cached_tokens
-            transfer.first = TokenLogprob(
-                header.first_token.token_id,
-                header.first_token.logprob,
-                [(t.token_id, t.logprob) for t in header.first_token.top],
-            )
+            transfer.first = logprob_from_proto(header.first_token)
             yield _first_response(header, request.sampling.HasField("logprobs"))
             if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                reason = FinishReason(FINISH_FROM_PROTO.get(header.finish_reason) or "stop")
+                reason = FINISH_FROM_PROTO.get(header.finish_reason) or FinishReason.STOP
                 self.engine.end_reserved(request_id, reason)  # the first token ended it: nothing to decode
                 transfer.trace.transfer_ended("remote", 0, header.num_cached_tokens)
                 return
@@ -198,7 +194,7 @@ class RemotePrefill:
             request_id=request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
-            tenant_salt=request.tenant_salt,
+            cache_salt=request.cache_salt,
             priority=request.priority,
             num_skip_tokens=num_skip,
             model_fingerprint=self.model_fingerprint,

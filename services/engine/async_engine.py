@@ -17,10 +17,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, RequestOutput
 from services.engine.kv_export import KVExport
-from services.engine.request import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +168,14 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
-        extra_key: bytes = b"",
+        cache_salt: bytes = b"",
         export_kv_from: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one output per new token until all n sequences finish. Bad input raises before queueing.
         With `export_kv_from` (prefill replica) the one output carries the prompt's KV (`output.kv`)."""
         stream = self._open(request_id, prompt_token_ids, params)
         prompt = list(prompt_token_ids)
-        self._submit(lambda: self._add(request_id, prompt, params, priority, extra_key, export_kv_from))
+        self._submit(lambda: self._add(request_id, prompt, params, priority, cache_salt, export_kv_from))
         async for item in self._outputs(request_id, stream, params.n):
             yield item
 
@@ -186,7 +186,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
-        extra_key: bytes = b"",
+        cache_salt: bytes = b"",
     ) -> int | None:
         """Decode replica: reserve blocks for a prompt whose KV comes from a prefill replica. Returns the
         prompt tokens already cached here, or None (no room: nothing is held, use `generate`). After a
@@ -200,7 +200,7 @@ class AsyncEngine:
         def reserve() -> None:
             try:
                 num_skip = self.core.reserve_remote(
-                    request_id, prompt, params, priority=priority, extra_key=extra_key
+                    request_id, prompt, params, priority=priority, cache_salt=cache_salt
                 )
             except Exception as exc:  # a typed error for the caller, not the loop
                 loop.call_soon_threadsafe(_settle, result, None, exc)
@@ -305,7 +305,7 @@ class AsyncEngine:
             return
         try:
             self.core.add_request(
-                request_id, prompt, params, priority=priority, extra_key=key, export_kv_from=export_kv_from
+                request_id, prompt, params, priority=priority, cache_salt=key, export_kv_from=export_kv_from
             )
         except Exception as exc:  # a typed error for the caller, not the loop
             stream.deliver(exc)

@@ -27,11 +27,12 @@ from services.common.errors import (
     TokenOutOfRangeError,
 )
 from services.common.manifest import Manifest
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPoolStats, KVEvent
 from services.engine.kv_export import KVExport, KVTransferError
 from services.engine.models.config import ModelConfig
-from services.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
+from services.engine.request import Request, RequestStatus
 from services.engine.runner_protocol import PendingStep, Runner
 from services.engine.scheduler import PendingToken, Scheduler, StepUpdate
 
@@ -154,7 +155,7 @@ class EngineCore:
         params: SamplingParams,
         *,
         priority: int = 0,
-        extra_key: bytes = b"",
+        cache_salt: bytes = b"",
         arrival_time: float | None = None,
         export_kv_from: int | None = None,
     ) -> None:
@@ -163,7 +164,7 @@ class EngineCore:
         With `export_kv_from` (a prefill replica), the request stops after its first token unless that
         token ends it, and its output carries the KV of prompt positions export_kv_from.. ."""
         samples = self._new_samples(
-            request_id, prompt_token_ids, params, priority, extra_key, arrival_time, export_kv_from
+            request_id, prompt_token_ids, params, priority, cache_salt, arrival_time, export_kv_from
         )
         for request in samples:
             self.scheduler.add(request)
@@ -174,7 +175,7 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         priority: int,
-        extra_key: bytes,
+        cache_salt: bytes,
         arrival_time: float | None,
         export_kv_from: int | None,
     ) -> list[Request]:
@@ -200,7 +201,7 @@ class EngineCore:
                     sample_index=index,
                     prompt_token_ids=list(prompt_token_ids),
                     params=sample_params,
-                    block_hasher=BlockHasher(self.root_hash, self.block_size, extra_key),
+                    block_hasher=BlockHasher(self.root_hash, self.block_size, cache_salt),
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     arrival_time=arrival,
@@ -217,7 +218,7 @@ class EngineCore:
         params: SamplingParams,
         *,
         priority: int = 0,
-        extra_key: bytes = b"",
+        cache_salt: bytes = b"",
     ) -> int | None:
         """Decode replica: hold blocks for a request whose prompt KV a prefill replica will send.
         Returns how many leading prompt tokens are already cached here (the prefill replica skips
@@ -225,7 +226,7 @@ class EngineCore:
         prompt here)."""
         if params.n != 1:
             raise InvalidRequestError("a remote prefill takes n=1", param="n")
-        [request] = self._new_samples(request_id, prompt_token_ids, params, priority, extra_key, None, None)
+        [request] = self._new_samples(request_id, prompt_token_ids, params, priority, cache_salt, None, None)
         if not self.scheduler.reserve(request):
             return None
         return request.num_computed_tokens

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.block_hash import BlockHasher
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 
 
@@ -15,22 +16,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; the prompt's KV comes from a prefill replica
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # an EOS or stop token ID was sampled
-    LENGTH = "length"  # max_tokens, or the model's context, was reached
-    ABORT = "abort"  # aborted by the caller (cancel, deadline)
-    HANDOFF = "handoff"  # prefill replica: the prompt's KV and first token went to a decode replica
-
-
-@dataclass
-class TokenLogprob:
-    """The chosen token's logprob and, when asked for, the top alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 # A sequence's key inside the engine: (the caller's request ID, the sample's index among its n).

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.outputs import TokenLogprob
 from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.models.registry import CausalLM
-from services.engine.request import Request, SeqId, TokenLogprob
+from services.engine.request import Request, SeqId
 from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
 from services.engine.sampler import DeviceSample, SamplingBatch, SamplingRow, sample_on_device
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput

@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from services.engine.request import SeqId, TokenLogprob
+from services.common.outputs import TokenLogprob
+from services.engine.request import SeqId
 from services.engine.scheduler import SchedulerOutput
 
 

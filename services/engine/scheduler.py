@@ -21,9 +21,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.common.outputs import FinishReason, TokenLogprob
 from services.engine.block_pool import NO_BLOCK
 from services.engine.kv_manager import KVCacheManager
-from services.engine.request import FinishReason, Request, RequestStatus, SeqId, TokenLogprob
+from services.engine.request import Request, RequestStatus, SeqId
 
 
 @dataclass(frozen=True)

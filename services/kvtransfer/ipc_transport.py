@@ -117,7 +117,7 @@ def share(flat: torch.Tensor) -> kvpb.IpcSlice:
         )
         return kvpb.IpcSlice(cuda=cuda, offset_bytes=int(args[3]))
     storage = flat.untyped_storage()
-    manager, name, size = storage._share_filename_cpu_()  # type: ignore[attr-defined]
+    manager, name, size = storage._share_filename_cpu_()
     shm = kvpb.SharedMemoryStorage(manager=manager, name=name, size_bytes=size)
     return kvpb.IpcSlice(shm=shm, offset_bytes=int(flat.storage_offset()))
 
@@ -169,7 +169,7 @@ def _open_shm(shm: kvpb.SharedMemoryStorage, offset: int, num_bytes: int) -> tor
         raise IpcUnavailable(f"not a torch shared-memory handle: {shm.name[:64]!r}")
     if offset + num_bytes > shm.size_bytes:
         raise IpcUnavailable(f"the handle covers {shm.size_bytes} bytes, not {offset}+{num_bytes}")
-    storage = torch.UntypedStorage._new_shared_filename_cpu(shm.manager, shm.name, shm.size_bytes)  # type: ignore[attr-defined]
+    storage = torch.UntypedStorage._new_shared_filename_cpu(shm.manager, shm.name, shm.size_bytes)
     return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (num_bytes,), (1,))  # [num_bytes]
 
 

@@ -20,14 +20,14 @@ from opentelemetry.trace import SpanKind
 
 from services.common import tracing
 from services.common.errors import InvalidRequestError
-from services.common.proto_convert import FINISH_TO_PROTO, sampling_from_proto
+from services.common.outputs import TokenLogprob
+from services.common.proto_convert import FINISH_TO_PROTO, logprob_to_proto, sampling_from_proto
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.core import RequestOutput
 from services.kvtransfer.chunks import KVTransferFault, Layout, dtype_name, num_chunks
 from services.kvtransfer.transport import GrpcSender, KVSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
-from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.worker.counters import TransferCounters
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             list(request.prompt_token_ids),
             sampling_from_proto(request.sampling),
             priority=request.priority,
-            extra_key=bytes(request.tenant_salt),
+            cache_salt=bytes(request.cache_salt),
             export_kv_from=request.num_skip_tokens,
         )
         async with contextlib.aclosing(stream):
@@ -136,18 +136,13 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
     def _header(
         self, request: kvpb.PrefillRequest, output: RequestOutput, chunk_bytes: int
     ) -> kvpb.PrefillHeader:
-        first = output.logprobs[0] if output.logprobs else None
-        token = pb.TokenLogprob(token_id=output.new_token_ids[0])
-        if first is not None:
-            token.logprob = first.logprob
-            token.top.extend(pb.TopLogprob(token_id=t, logprob=v) for t, v in first.top)
-        reason = output.finish_reason.value if output.finish_reason is not None else None
+        first = output.logprobs[0] if output.logprobs else TokenLogprob(output.new_token_ids[0], 0.0)
         num_kv = 0 if output.kv is None else output.kv.kv.shape[1]
         return kvpb.PrefillHeader(
             model_fingerprint=self.model_fingerprint,
             layout=self.layout.to_proto(),
-            first_token=token,
-            finish_reason=FINISH_TO_PROTO[reason],
+            first_token=logprob_to_proto(first),
+            finish_reason=FINISH_TO_PROTO[output.finish_reason],
             num_prompt_tokens=output.num_prompt_tokens,
             num_cached_tokens=output.num_cached_tokens,
             first_token_position=request.num_skip_tokens,

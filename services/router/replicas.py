@@ -257,13 +257,13 @@ class ReplicaSet:
 
     # -- prefix index ---------------------------------------------------------------------------------
 
-    def prompt_block_hashes(self, prompt: Sequence[int], tenant_salt: bytes) -> tuple[list[bytes], int]:
+    def prompt_block_hashes(self, prompt: Sequence[int], cache_salt: bytes) -> tuple[list[bytes], int]:
         """The prompt's chained block hashes as the replicas compute them, and the block size."""
         info = next((r.info for r in self.replicas if r.info is not None), None)
         if info is None or self.model_fingerprint is None or not info.block_size:
             return [], 1
         root = root_hash(self.model_fingerprint)
-        return hash_token_blocks(root, prompt, info.block_size, tenant_salt), info.block_size
+        return hash_token_blocks(root, prompt, info.block_size, cache_salt), info.block_size
 
     def _watch_events(self, replica: Replica) -> None:
         if not self.watch_kv_events or not replica.fingerprint_ok:

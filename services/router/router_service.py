@@ -197,7 +197,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         tried: set[str] = set()
         failure: tuple[grpc.StatusCode, str] | None = None
-        salt = bytes(request.tenant_salt)
+        salt = bytes(request.cache_salt)
         hashes, block_size = self.replicas.prompt_block_hashes(request.prompt_token_ids, salt)
         while failure is None:
             route = self.route(request, tried, hashes, block_size)

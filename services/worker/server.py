@@ -61,7 +61,7 @@ class WorkerOptions:
 def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "") -> pb.InfoResponse:
     return pb.InfoResponse(
         model_name=config.model.served_name or Path(config.model.path).name,
-        max_context=core.max_model_len,
+        max_model_len=core.max_model_len,
         block_size=core.block_size,
         model_fingerprint=core.manifest.model_fingerprint,
         tokenizer_fingerprint=core.manifest.tokenizer_fingerprint,

@@ -66,7 +66,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 list(request.prompt_token_ids),
                 params,
                 priority=request.priority,
-                extra_key=bytes(request.tenant_salt),
+                cache_salt=bytes(request.cache_salt),
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:

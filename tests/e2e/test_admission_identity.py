@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from services.codec.auth import read_keys_file
+from services.codec.admission.auth import read_keys_file
 from tests.e2e.conftest import RunningStack, start_stack
 from tests.reference_prompts import long_text
 from tests.stack_helpers import KVRELAY, REPO_ROOT, wait_until

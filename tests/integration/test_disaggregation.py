@@ -18,8 +18,8 @@ from typing import Protocol
 import grpc
 import pytest
 
-from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
+from services.codec.text.tokenizer import Tokenizer
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb

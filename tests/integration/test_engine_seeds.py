@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
+from services.codec.text.tokenizer import Tokenizer
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
 from tests.engine_helpers import make_engine

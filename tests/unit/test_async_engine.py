@@ -11,10 +11,10 @@ from collections.abc import Callable
 import pytest
 
 from services.common.errors import EmptyPromptError
+from services.common.outputs import FinishReason
 from services.common.sampling import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore, EngineStats
-from services.engine.request import FinishReason
 from tests.engine_fakes import make_fake_engine
 from tests.engine_helpers import run_to_completion
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common.outputs import FinishReason, TokenLogprob
 from services.engine.async_engine import _coalesce
 from services.engine.core import RequestOutput
-from services.engine.request import FinishReason, TokenLogprob
 
 
 def _out(

@@ -23,9 +23,9 @@ def spec_root(fingerprint: str) -> bytes:
     return hashlib.sha256(b"kvrelay-block-root/v1\x00" + fingerprint.encode("utf-8")).digest()
 
 
-def spec_block(parent: bytes, token_ids: list[int], extra_key: bytes) -> bytes:
+def spec_block(parent: bytes, token_ids: list[int], cache_salt: bytes) -> bytes:
     """The encoding, written out independently of the module: docs/block-hashing.md."""
-    encoded = b"KVB1" + parent + struct.pack("<I", len(extra_key)) + extra_key
+    encoded = b"KVB1" + parent + struct.pack("<I", len(cache_salt)) + cache_salt
     encoded += struct.pack("<I", len(token_ids)) + struct.pack(f"<{len(token_ids)}I", *token_ids)
     return hashlib.sha256(encoded).digest()
 

@@ -8,14 +8,14 @@ from typing import Any
 import jinja2
 import pytest
 
-from services.codec.chat_template import (
+from services.codec.text.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     ChatTemplateMissingError,
     chat_template_from_tokenizer,
     render_and_encode,
 )
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.errors import CorruptModelError, InvalidRequestError
 from tests.unit.test_tokenizer import write_tiny_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import main
-from services.codec.auth import KeyStore, key_digest, read_keys_file
+from services.codec.admission.auth import KeyStore, key_digest, read_keys_file
 from services.common.errors import CONFIG_EXIT_CODE
 
 

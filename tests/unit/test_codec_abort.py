@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
 
 pytestmark = pytest.mark.model

@@ -15,12 +15,12 @@ import grpc
 import httpx
 import pytest
 
-from services.codec.auth import KeyRecord, key_digest, new_key, write_keys_file
-from services.codec.grpc_public_server import PublicGrpcServer
-from services.codec.quotas import counter_name
+from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
+from services.codec.admission.quota_store import counter_name
+from services.codec.admission.tenancy import cache_salt
+from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.state import CodecState
-from services.codec.tenancy import cache_salt
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
@@ -54,7 +54,7 @@ class Codec:
         return float(found.group(1)) if found else 0.0
 
     def usage(self, counter: str) -> tuple[int, int]:
-        return asyncio.run(self.state.limits.quotas.store.usage(counter))
+        return asyncio.run(self.state.gate.quotas.store.usage(counter))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_the_cache_salt_is_the_authenticated_tenants(rpm_codec: Codec) -> None:
     with rpm_codec.client("a") as a, rpm_codec.client("b") as b:
         assert a.post("/v1/chat/completions", json=CHAT).status_code == 200
         assert b.post("/v1/messages", json=MESSAGES).status_code == 200
-    assert [r.tenant_salt for r in rpm_codec.fake.seen] == [cache_salt("a"), cache_salt("b")]
+    assert [r.cache_salt for r in rpm_codec.fake.seen] == [cache_salt("a"), cache_salt("b")]
 
 
 def test_a_backend_that_is_down_gives_the_request_back(rpm_codec: Codec) -> None:

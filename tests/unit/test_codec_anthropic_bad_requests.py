@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, make_config, scripted
 
 pytestmark = pytest.mark.model
@@ -29,7 +29,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 @pytest.fixture
 def fake(model_dir: Path) -> FakeBackend:
-    backend = FakeBackend(identity_for(model_dir).tokenizer_fingerprint, max_context=128)
+    backend = FakeBackend(identity_for(model_dir).tokenizer_fingerprint, max_model_len=128)
     backend.script = scripted([[19556]])
     return backend
 

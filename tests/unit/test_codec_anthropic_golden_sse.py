@@ -14,7 +14,7 @@ import httpx2
 import pytest
 from anthropic.types import MessageParam
 
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted
 
 pytestmark = pytest.mark.model

@@ -1,6 +1,6 @@
-"""API keys (services/codec/auth.py): the key store and its reloads, 401s in each protocol's shape, the
-tenant on the request (stored responses, audit line, per-tenant prefix-cache counters), the public gRPC
-API's interceptor, open mode, and the internal token's reload from its file."""
+"""API keys (services/codec/admission/auth.py): the key store and its reloads, 401s in each protocol's
+shape, the tenant on the request (stored responses, audit line, per-tenant prefix-cache counters), the
+public gRPC API's interceptor, open mode, and the internal token's reload from its file."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pytest
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.codec import auth as auth_module
-from services.codec.auth import (
+from services.codec.admission import auth as auth_module
+from services.codec.admission.auth import (
     Authenticator,
     KeyRecord,
     KeyStore,
@@ -32,12 +32,12 @@ from services.codec.auth import (
     rpc_tenant,
     write_keys_file,
 )
+from services.codec.admission.tenancy import DEFAULT_TENANT, cache_salt
 from services.codec.errors import AuthenticationError
-from services.codec.grpc_public_server import PublicGrpcServer
+from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.server import log_auth_mode
 from services.codec.state import CodecIdentity, CodecState
-from services.codec.tenancy import DEFAULT_TENANT, cache_salt
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import AuthConfig, KvrelayConfig
 from services.common.errors import ConfigError
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
@@ -141,7 +141,7 @@ def test_a_broken_file_keeps_the_last_good_keys(tmp_path: Path, caplog: pytest.L
     store = KeyStore(path, clock=clock)
     path.write_text("keys: [{key_id: x")  # a half-written file
     clock.now += 2
-    with caplog.at_level(logging.ERROR, logger="services.codec.auth"):
+    with caplog.at_level(logging.ERROR, logger="services.codec.admission.auth"):
         assert store.tenant_for(key) is not None
     assert "keeping the last good keys" in caplog.text
     path.unlink()
@@ -437,7 +437,7 @@ async def test_the_cache_salt_is_the_authenticated_tenants_whatever_the_request_
         body = {**CHAT, "user": "acme", "prompt_cache_key": "acme", "metadata": {"tenant": "acme"}}
         response = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert response.status_code == 200, response.text
-    assert [seen.tenant_salt for seen in fake.seen] == [cache_salt("acme"), cache_salt("beta")]
+    assert [seen.cache_salt for seen in fake.seen] == [cache_salt("acme"), cache_salt("beta")]
 
 
 async def test_open_mode_serves_everyone_as_default(
@@ -452,7 +452,7 @@ async def test_open_mode_serves_everyone_as_default(
     assert response.status_code == 200
     line = next(r for r in caplog.records if r.name == "kvrelay.access").__dict__
     assert (line["tenant"], line["key_id"]) == (DEFAULT_TENANT, None)
-    assert fake.seen[0].tenant_salt == cache_salt(DEFAULT_TENANT)
+    assert fake.seen[0].cache_salt == cache_salt(DEFAULT_TENANT)
     assert 'kvrelay_prefix_cache_hit_tokens_total{tenant="default"} 16.0' in text
 
 
@@ -527,7 +527,7 @@ async def test_grpc_wants_a_key_but_health_stays_open(
                 assert "".join(r.text for r in replies) == "Hello world"
     lines = [r.__dict__ for r in caplog.records if r.name == "kvrelay.access"]
     assert [(line["tenant"], line["status"]) for line in lines] == [("acme", 200), ("beta", 200)]
-    assert [seen.tenant_salt for seen in fake.seen] == [cache_salt("acme"), cache_salt("beta")]
+    assert [seen.cache_salt for seen in fake.seen] == [cache_salt("acme"), cache_salt("beta")]
     text = state.metrics.render()[0].decode()
     assert 'kvrelay_prefix_cache_hit_tokens_total{tenant="acme"} 16.0' in text
     assert 'kvrelay_auth_failures_total{reason="invalid"} 1.0' in text

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, make_config, scripted
 
 pytestmark = pytest.mark.model
@@ -29,7 +29,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 @pytest.fixture
 def fake(model_dir: Path) -> FakeBackend:
-    backend = FakeBackend(identity_for(model_dir).tokenizer_fingerprint, max_context=MAX_CONTEXT)
+    backend = FakeBackend(identity_for(model_dir).tokenizer_fingerprint, max_model_len=MAX_CONTEXT)
     backend.script = scripted([[19556]])
     return backend
 
@@ -259,7 +259,7 @@ async def test_prompt_plus_max_tokens_over_context_is_context_length_exceeded(
 async def test_absent_max_tokens_is_the_default_capped_by_the_context(
     model_dir: Path, tokenizer: Tokenizer, fake: FakeBackend
 ) -> None:
-    fake.max_context = 105
+    fake.max_model_len = 105
     config = make_config(max_input_tokens=100, max_output_tokens=64, default_max_output_tokens=16)
     app = make_app(tokenizer, fake, identity_for(model_dir), config)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codec") as client:

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from prometheus_client import Gauge
 
-from services.codec.concurrency import FairLimiter, Slot
-from services.codec.limits_errors import OverloadedError
-from services.codec.limits_metrics import LimitsMetrics
+from services.codec.admission.errors import OverloadedError
+from services.codec.admission.fair_queue import FairLimiter, Slot
+from services.codec.admission.metrics import LimitsMetrics
 
 
 def gauge(instrument: Gauge) -> float:
@@ -141,7 +141,7 @@ async def test_a_full_queue_refuses_the_arrival() -> None:
         await limiter.acquire("a")
     assert caught.value.reason == "queue_full"
     assert caught.value.wire_error().status == 503
-    assert caught.value.wire_error(anthropic=True).status == 529
+    assert caught.value.wire_error().anthropic_status == 529
     assert caught.value.headers["Retry-After"] == "1"
     assert metrics.rejections.labels(tenant="a", reason="queue_full")._value.get() == 1
     assert gauge(metrics.queued) == 2 and gauge(metrics.running) == 1

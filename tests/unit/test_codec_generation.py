@@ -6,18 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from services.codec.backend import BackendFailedError, BackendUnavailableError, GenerateInput, TokenDelta
-from services.codec.generation import (
-    FinishReason,
-    GenerationEvent,
+from services.codec.backend.protocol import (
+    BackendFailedError,
+    BackendUnavailableError,
     GenerationRequest,
+    TokenDelta,
+)
+from services.codec.generation import (
+    GenerationEvent,
     Generator,
     SampleFinished,
     TextDelta,
     Usage,
 )
 from services.codec.metrics import CodecMetrics, RequestStats
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
+from services.common.outputs import FinishReason
 from services.common.sampling import SamplingParams
 from tests.codec_fakes import FakeBackend, scripted, token_deltas
 
@@ -161,7 +165,7 @@ async def test_backend_sees_token_ids_sampling_and_deadline(
     await stream.aclose()  # idempotent
     assert generator.num_running == 0
     assert isinstance(events[-1], Usage)
-    seen: GenerateInput = fake.seen[0]
+    seen: GenerationRequest = fake.seen[0]
     assert (seen.request_id, seen.prompt_token_ids, seen.timeout_s) == ("r9", PROMPT, 12.5)
     assert (seen.sampling.max_tokens, seen.sampling.seed) == (7, 3)
 

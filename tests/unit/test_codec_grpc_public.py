@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.codec.grpc_public_server import PublicGrpcServer
-from services.codec.prompts import encode_chat
+from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.state import CodecIdentity, CodecState
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.prompts import encode_chat
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb

@@ -18,12 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.cli import codec as codec_cli
-from services.codec import grpc_public_server
 from services.codec.app import create_app
-from services.codec.grpc_public_server import PublicGrpcServer
+from services.codec.grpc_public import server as grpc_public_server
+from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.server import CodecServer
 from services.codec.state import CodecIdentity, CodecState
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 from tests.codec_fakes import FakeBackend, free_port, identity_for, make_config, scripted

@@ -41,5 +41,5 @@ def test_codec_and_common_modules_import_without_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     imported = result.stdout.split()
-    assert "services.codec.tokenizer" in imported
-    assert "services.codec.detokenizer" in imported
+    assert "services.codec.text.tokenizer" in imported
+    assert "services.codec.text.detokenizer" in imported

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig, ModelConfig
 from services.common.errors import ConfigError
 from services.common.manifest import compute_manifest, write_manifest

@@ -11,9 +11,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from services.codec.backend import ServiceStatus
+from services.codec.backend.protocol import ServiceStatus
 from services.codec.state import CodecIdentity
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import MAX_CONTEXT, MODEL_NAME, FakeBackend, identity_for, make_app, scripted
 
 pytestmark = pytest.mark.model
@@ -74,7 +74,7 @@ async def test_ready_only_when_backend_answers_with_our_tokenizer(
     assert (await client.get("/ready")).status_code == 503
     fake.is_unavailable = False
     fake.tokenizer_fingerprint = "f" * 64
-    with caplog.at_level(logging.WARNING, logger="services.codec.readiness"):
+    with caplog.at_level(logging.WARNING, logger="services.codec.backend.readiness"):
         for _ in range(3):
             response = await client.get("/ready")
             assert response.status_code == 503

@@ -10,19 +10,19 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from services.codec.limits_errors import QuotaUnavailableError, RateLimitedError
-from services.codec.limits_metrics import LimitsMetrics
-from services.codec.quotas import (
+from services.codec.admission.errors import QuotaUnavailableError, RateLimitedError
+from services.codec.admission.metrics import LimitsMetrics
+from services.codec.admission.quota_memory import MemoryQuotaStore
+from services.codec.admission.quota_redis import RedisQuotaStore
+from services.codec.admission.quota_store import (
     Charge,
     Denial,
-    MemoryQuotaStore,
-    Quotas,
     QuotaStore,
-    RedisQuotaStore,
     Reservation,
     counter_name,
     wait_s,
 )
+from services.codec.admission.quotas import Quotas
 from services.common.config import QuotasConfig, TenantQuota
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -10,8 +10,8 @@ import httpx2
 import openai
 import pytest
 
-from services.codec.generation import FinishReason
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
+from services.common.outputs import FinishReason
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
 
 pytestmark = pytest.mark.model

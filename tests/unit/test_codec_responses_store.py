@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from services.codec.openai_responses import install_responses, response_store
+from services.codec.protocols.openai_responses import install_responses, response_store
 from services.codec.response_store import (
     REDIS_URL_ENV,
     InMemoryResponseStore,
@@ -21,7 +21,7 @@ from services.codec.response_store import (
     StoredResponse,
     store_from_env,
 )
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

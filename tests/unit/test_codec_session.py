@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from services.codec.grpc_public_server import PublicGrpcServer
+from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.session import (
     KEY_HEX_DIGITS,
     SESSION_HEADER,
@@ -21,7 +21,7 @@ from services.codec.session import (
     session_key,
 )
 from services.codec.state import CodecState
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, make_config, scripted

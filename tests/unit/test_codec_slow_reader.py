@@ -24,9 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.codec.backend import GenerateInput, TokenDelta
-from services.codec.tokenizer import Tokenizer
+from services.codec.backend.protocol import GenerationRequest, TokenDelta
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig, LimitsConfig
+from services.common.outputs import FinishReason
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, serve_in_thread
 from tests.silent_client import open_silent_stream
 
@@ -54,13 +55,13 @@ class EndlessBackend(FakeBackend):
         self.reset()
         self.num_tokens, self.num_produced, self.closed_s = num_tokens, 0, None
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         self.seen.append(request)
         try:
             for position in range(self.num_tokens):
                 self.num_produced += 1
                 self.last_produced_s = time.monotonic()
-                finish = "length" if position == self.num_tokens - 1 else None
+                finish = FinishReason.LENGTH if position == self.num_tokens - 1 else None
                 yield TokenDelta(0, [self.token_id], [], finish, len(request.prompt_token_ids), 0)
         except (GeneratorExit, asyncio.CancelledError):
             self.closed_s = time.monotonic()
@@ -73,7 +74,7 @@ class EndlessBackend(FakeBackend):
 def fake(model_dir: Path) -> EndlessBackend:
     token_id = Tokenizer.from_dir(model_dir).encode(" one")[0]
     return EndlessBackend(
-        identity_for(model_dir).tokenizer_fingerprint, max_context=2 * MAX_TOKENS, token_id=token_id
+        identity_for(model_dir).tokenizer_fingerprint, max_model_len=2 * MAX_TOKENS, token_id=token_id
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 from starlette.types import Message
 
 from services.codec.metrics import StreamOutcome
-from services.codec.sse import DONE, EventStreamResponse, encode_event
+from services.codec.protocols.sse import DONE, EventStreamResponse, encode_event
 
 
 def test_event_is_one_data_line_with_lf_framing() -> None:

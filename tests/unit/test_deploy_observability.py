@@ -29,8 +29,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.codec.auth import KeyRecord, key_digest, new_key, write_keys_file
-from services.codec.tokenizer import Tokenizer
+from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
+from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.block_pool import BlockPoolStats

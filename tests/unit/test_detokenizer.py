@@ -11,8 +11,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, normalizers
 from tokenizers.models import BPE
 
-from services.codec.detokenizer import IncrementalDetokenizer
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.detokenizer import IncrementalDetokenizer
+from services.codec.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXTS = [
     "Hello, world! 👋🏽 Family: 👨‍👩‍👧‍👦 done.",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.outputs import FinishReason
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
-from services.engine.request import FinishReason
 from tests.engine_fakes import make_fake_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

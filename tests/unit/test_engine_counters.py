@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.outputs import FinishReason
 from services.common.sampling import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
-from services.engine.request import FinishReason
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.worker.counters import TransferCounters
 from services.worker.metrics import WorkerMetrics

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from services.common.outputs import FinishReason
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
-from services.engine.request import FinishReason
 from tests.engine_fakes import fake_runner, make_fake_engine
 from tests.engine_helpers import drain
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import pytest
 
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
 from services.engine.kv_export import KVExport, KVTransferError
-from services.engine.request import FinishReason, TokenLogprob
 from tests.engine_fakes import fake_runner, make_fake_engine
 from tests.engine_helpers import drain, generate, run_to_completion
 

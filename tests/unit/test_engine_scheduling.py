@@ -65,9 +65,9 @@ def test_prefix_hit_reuses_the_cached_blocks_and_computes_only_the_rest() -> Non
 
 def test_a_prefix_cached_under_another_extra_key_is_not_a_hit() -> None:
     engine = make_fake_engine(kv_cache_memory_mb=4)
-    engine.add_request("a", PROMPT, GREEDY, extra_key=b"tenant-a")
+    engine.add_request("a", PROMPT, GREEDY, cache_salt=b"tenant-a")
     run_to_completion(engine)
-    engine.add_request("b", PROMPT, GREEDY, extra_key=b"tenant-b")
+    engine.add_request("b", PROMPT, GREEDY, cache_salt=b"tenant-b")
     run_to_completion(engine)
     assert fake_runner(engine).computed_for(("b", 0))[0] == (0, 70)
     assert engine.stats().prefix_cache_hits == 0

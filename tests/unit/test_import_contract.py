@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.source_imports import imported_modules
+
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 
 # Modules allowed to import transformers / gguf: turning a GGUF into a model directory.
@@ -88,18 +90,6 @@ def test_the_contract_sees_the_engine_modules() -> None:
     names = set(modules())
     assert names >= PURE_ENGINE_MODULES
     assert "services/engine/models/llama.py" in names
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every absolute module a file imports, in full (`from a.b import c` gives a.b and a.b.c)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
 
 
 SERVICE_PACKAGES = ("codec", "router", "worker", "prefill", "decode", "kvtransfer", "cli", "bench")

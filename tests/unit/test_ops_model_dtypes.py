@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
+from services.codec.text.tokenizer import Tokenizer
 from services.common.manifest import load_verified_manifest
 from services.common.sampling import SamplingParams
 from services.engine.attention import (

@@ -105,7 +105,7 @@ async def test_a_broken_stream_forgets_the_replica_and_a_new_stream_snapshots_ag
 def request(prompt: list[int], salt: bytes = b"", request_id: str = "r") -> pb.GenerateRequest:
     params = SamplingParams(temperature=0.0, max_tokens=3)
     return pb.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params), tenant_salt=salt
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params), cache_salt=salt
     )
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 
 from services.common.block_hash import BlockHasher, root_hash
+from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.request import FinishReason, Request, SeqId, TokenLogprob
+from services.engine.request import Request, SeqId
 from services.engine.scheduler import Scheduler, SchedulerOutput
 
 BLOCK = 4

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.codec.stop_strings import StopResult, StopStringMatcher
+from services.codec.text.stop_strings import StopResult, StopStringMatcher
 from services.common.errors import InvalidRequestError
 
 

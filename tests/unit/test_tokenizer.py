@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.tokenizer import Tokenizer
 from services.common.errors import CorruptModelError, ModelNotFoundError, TokenOutOfRangeError
 
 

@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.codec.backend import GenerateInput, TokenDelta
-from services.codec.tokenizer import Tokenizer
+from services.codec.backend.protocol import GenerationRequest, TokenDelta
+from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
 from services.common.config import TracingConfig, load_config
 from services.common.errors import ConfigError
@@ -108,7 +108,7 @@ class RecordingBackend(FakeBackend):
 
     injected: list[dict[str, str]]
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         self.injected.append(dict(tracing.inject(())))
         async for delta in super().generate(request):
             yield delta

@@ -33,9 +33,9 @@ from typing import Any
 import httpx
 
 from services.bench.stats import percentile
-from services.codec.chat_template import chat_template_from_tokenizer, render_and_encode
 from services.codec.session import SESSION_HEADER
-from services.codec.tokenizer import Tokenizer
+from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
+from services.codec.text.tokenizer import Tokenizer
 
 SESSION_MODES = ("none", "derived", "header")
 REQUEST_TIMEOUT_S = 600.0

@@ -62,12 +62,12 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_key", "tenant_salt", "priority", "deadline_unix_ms", "remote_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_key", "cache_salt", "priority", "deadline_unix_ms", "remote_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
-    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -75,11 +75,11 @@ class GenerateRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     session_key: str
-    tenant_salt: bytes
+    cache_salt: bytes
     priority: int
     deadline_unix_ms: int
     remote_prefill: RemotePrefill
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_key: _Optional[str] = ..., tenant_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_key: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
 
 class RemotePrefill(_message.Message):
     __slots__ = ("address", "transport")
@@ -148,9 +148,9 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain")
+    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
-    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -161,7 +161,7 @@ class InfoResponse(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     model_name: str
-    max_context: int
+    max_model_len: int
     block_size: int
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -171,7 +171,7 @@ class InfoResponse(_message.Message):
     kv_bytes_per_token: int
     name: str
     ipc_domain: str
-    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("total", "active", "cached", "free")

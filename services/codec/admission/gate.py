@@ -1,0 +1,221 @@
+"""The one gate every generation passes, whichever protocol it came by (HTTP routes and the public gRPC
+API alike), every refusal before any response byte:
+
+    admit    context rules and sampling validation                    400 (the backend never sees it)
+    start    quotas (quotas.py; tenant and global, per minute)       429 + Retry-After, nothing held
+             a concurrency slot, in the fair queue (fair_queue.py)   503 (529 on /v1/messages) when full
+             the backend, waiting for the first token
+
+The `Lease` holds the reservation and the slot; it is closed exactly once, when the generation stream
+closes (finished, failed, step timeout, client gone) or when starting fails:
+
+- the backend produced no token (never sent, refused, down, or the client left before the first
+  token): the reservation is released whole, request and tokens;
+- otherwise it is settled to the tokens really used (prompt + tokens generated so far).
+
+Either way the slot is freed (and passed to the next waiter).
+
+The context rules: a request is refused (400 context_length_exceeded) when its prompt is over
+`limits.max_input_tokens`, or when prompt + max_tokens is over the model's context. An explicit
+max_tokens over `limits.max_output_tokens` is a 400 too (not clamped). An absent max_tokens becomes
+`limits.default_max_output_tokens`, capped by what the context has left. Time spent queued counts against the
+request's timeout. The Redis key prefix of the shared quota counters comes from
+`KVRELAY_QUOTAS_KEY_PREFIX` (default "{kvrelay-quota}:"), so that deployments and tests sharing one
+Redis keep their counters apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, Protocol
+
+import anyio
+
+from services.codec.admission.fair_queue import FairLimiter, Slot
+from services.codec.admission.metrics import LimitsMetrics
+from services.codec.admission.quota_redis import DEFAULT_KEY_PREFIX
+from services.codec.admission.quota_store import Reservation
+from services.codec.admission.quotas import Quotas
+from services.codec.backend.info import BackendInfoCache
+from services.codec.backend.protocol import GenerationRequest
+from services.codec.errors import PromptTooLongError
+from services.codec.generation import GenerationStream, Generator, build_sampling
+from services.codec.metrics import RequestStats
+from services.common import tracing
+from services.common.config import KvrelayConfig, LimitsConfig
+from services.common.errors import ContextLengthExceededError, InvalidRequestError
+
+KEY_PREFIX_ENV = "KVRELAY_QUOTAS_KEY_PREFIX"
+
+
+def resolve_max_tokens(
+    limits: LimitsConfig, num_prompt_tokens: int, requested: int | None, max_model_len: int, prompt_param: str
+) -> int:
+    """The max_tokens to send, or a 400 naming the limit that the request breaks."""
+    if requested is not None and requested > limits.max_output_tokens:
+        raise InvalidRequestError(
+            f"max_tokens ({requested}) is over this server's limit of {limits.max_output_tokens}",
+            param="max_tokens",
+        )
+    if num_prompt_tokens > limits.max_input_tokens:
+        raise PromptTooLongError(num_prompt_tokens, limits.max_input_tokens, "input limit", prompt_param)
+    if num_prompt_tokens >= max_model_len:
+        raise PromptTooLongError(num_prompt_tokens, max_model_len, "model's context", prompt_param)
+    if requested is None:
+        return min(limits.default_max_output_tokens, max_model_len - num_prompt_tokens)
+    if num_prompt_tokens + requested > max_model_len:
+        raise ContextLengthExceededError(num_prompt_tokens, requested, max_model_len)
+    return requested
+
+
+class SamplingSource(Protocol):
+    """What admission reads from a request body (OpenAI's SamplingFields, Anthropic's MessagesRequest)."""
+
+    def sampling_kwargs(self) -> dict[str, Any]: ...
+
+    def stop_strings(self) -> tuple[str, ...]: ...
+
+
+class Lease:
+    """A reservation and a slot, given back by `close` (idempotent, never raises, not cancellable)."""
+
+    def __init__(self, quotas: Quotas, reservation: Reservation, slot: Slot) -> None:
+        self._quotas = quotas
+        self.reservation = reservation
+        self._slot = slot
+        self._is_closed = False
+
+    @property
+    def waited_s(self) -> float | None:
+        """Time spent waiting in the fair queue; None when a slot was free at once."""
+        return self._slot.waited_s
+
+    async def close(self, tokens_used: int | None) -> None:
+        """`tokens_used` None: the backend produced nothing, so everything is released."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                if tokens_used is None:
+                    await self._quotas.release(self.reservation)
+                else:
+                    await self._quotas.settle(self.reservation, tokens_used)
+        finally:
+            self._slot.release()
+
+
+class Gate:
+    """The context rules, the quotas and the fair queue of one codec, in front of its generator."""
+
+    def __init__(
+        self,
+        config: KvrelayConfig,
+        info: BackendInfoCache,
+        generator: Generator,
+        quotas: Quotas,
+        limiter: FairLimiter,
+        metrics: LimitsMetrics,
+    ) -> None:
+        self._config = config
+        self._info = info
+        self._generator = generator
+        self.quotas = quotas
+        self.limiter = limiter
+        self.metrics = metrics
+
+    @classmethod
+    def from_config(
+        cls,
+        config: KvrelayConfig,
+        info: BackendInfoCache,
+        generator: Generator,
+        metrics: LimitsMetrics,
+        environ: Mapping[str, str],
+    ) -> Gate:
+        key_prefix = environ.get(KEY_PREFIX_ENV, "").strip() or DEFAULT_KEY_PREFIX
+        quotas = Quotas.from_config(config.quotas, metrics, key_prefix=key_prefix)
+        limiter = FairLimiter(config.limits.concurrency_limit, config.limits.queue_limit, metrics)
+        return cls(config, info, generator, quotas, limiter, metrics)
+
+    async def admit(
+        self,
+        stats: RequestStats,
+        fields: SamplingSource,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str,
+        timeout_s: float | None,
+        cache_salt: bytes,
+        session_key: str = "",
+    ) -> GenerationRequest:
+        """The request to start, after the context rules and sampling validation. Refusals raise
+        InvalidRequestError subclasses. `cache_salt` comes from the authenticated tenant only."""
+        num_prompt_tokens = len(prompt_token_ids)
+        info = await self._info.get()
+        limits = self._config.limits
+        resolved = resolve_max_tokens(limits, num_prompt_tokens, max_tokens, info.max_model_len, prompt_param)
+        sampling = build_sampling(
+            fields.sampling_kwargs(), max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size
+        )
+        stats.num_prompt_tokens = num_prompt_tokens
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            stop=fields.stop_strings(),
+            timeout_s=timeout_s,
+            session_key=session_key,
+            cache_salt=cache_salt,
+        )
+
+    async def start(
+        self, tenant_id: str, request: GenerationRequest, stats: RequestStats
+    ) -> GenerationStream:
+        """Quotas (429), then a concurrency slot in the fair queue (503/529 when saturated), then the
+        backend. The reservation is for prompt + n × max_tokens; it and the slot are given back when the
+        stream closes, or here if starting fails."""
+        sampling = request.sampling
+        num_tokens = len(request.prompt_token_ids) + sampling.n * sampling.max_tokens
+        with tracing.span("admission", attributes={"kvrelay.tenant": tenant_id}) as span:
+            lease = await self.enter(tenant_id, num_tokens, request.timeout_s)
+            if lease.waited_s is not None:
+                span.set_attribute("kvrelay.queue_wait_ms", round(lease.waited_s * 1000, 3))
+        try:
+            waited_s = lease.waited_s
+            if waited_s is not None:
+                stats.queue_wait_s = waited_s
+                if request.timeout_s is not None:
+                    request = replace(request, timeout_s=max(request.timeout_s - waited_s, 0.001))
+            return await self._generator.start(request, stats, on_close=lease.close)
+        except BaseException:
+            await lease.close(None)  # does nothing when the failed stream's close already gave it back
+            raise
+
+    async def enter(self, tenant: str, num_tokens: int, timeout_s: float | None) -> Lease:
+        """Reserves `num_tokens` (prompt + n × max_tokens) and a request for `tenant`, then waits for a
+        slot until `timeout_s`. Raises RateLimitedError, QuotaUnavailableError or OverloadedError,
+        holding nothing afterwards."""
+        reservation = await self.quotas.reserve(tenant, num_tokens)
+        weight, cap = self.fairness_of(tenant)
+        try:
+            slot = await self.limiter.acquire(tenant, weight=weight, cap=cap, timeout_s=timeout_s)
+        except BaseException:
+            await self.quotas.release(reservation)  # shielded inside
+            raise
+        return Lease(self.quotas, reservation, slot)
+
+    def fairness_of(self, tenant: str) -> tuple[int, int | None]:
+        """(weight in the fair queue, concurrency cap or None) from quotas.tenants, else the defaults."""
+        quotas = self._config.quotas
+        own = quotas.tenants.get(tenant)
+        if own is None:
+            return 1, quotas.default_max_concurrency
+        return own.weight, own.max_concurrency or quotas.default_max_concurrency
+
+    async def aclose(self) -> None:
+        await self.quotas.aclose()

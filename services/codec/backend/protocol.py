@@ -1,0 +1,102 @@
+"""What the codec needs from the stack behind it: token IDs in, token IDs out. No torch, no text.
+
+`GrpcBackend` (grpc_client.py) implements this over the internal gRPC API; unit tests use fakes at this
+seam. Closing a `generate` stream early aborts the request everywhere behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.common.errors import KvrelayError
+from services.common.outputs import FinishReason, TokenLogprob
+from services.common.sampling import SamplingParams
+
+
+class BackendUnavailableError(KvrelayError):
+    """No worker can take the request now (not ready, unreachable): a 503 at the edge."""
+
+
+class BackendFailedError(KvrelayError):
+    """The stack failed after the request was accepted (a mid-stream error event at the edge)."""
+
+
+class BackendRejectedError(KvrelayError):
+    """A worker refused the request as invalid (INVALID_ARGUMENT); the codec should have caught it."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request on the codec's way in: built by the admission gate, started by the generator, sent
+    to the backend. `stop` (text stop strings) stays in the codec: the backend gets token IDs only."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    timeout_s: float | None = None  # the request's remaining deadline
+    session_key: str = ""  # routing affinity only (session.py); "" lets the router choose freely
+    # The prefix-cache namespace: always the authenticated tenant's (admission/tenancy.py), never taken
+    # from the request body.
+    cache_salt: bytes = b""
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of sample `index`; `finish_reason` is set on its last delta."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    model_name: str
+    max_model_len: int
+    block_size: int
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    """One service of the stack, as `kvrelay status` lists it."""
+
+    name: str
+    role: str
+    address: str
+    ready: bool
+    running: int = 0
+    waiting: int = 0
+    requests_total: int = 0
+    kv_blocks: dict[str, int] = field(default_factory=dict)  # total, active, cached, free
+    prefix_cache: dict[str, int] = field(default_factory=dict)  # queries, hits
+    # Workers only (None elsewhere): KV bytes sent (prefill) or received (decode), remote prefills, and
+    # remote prefills that fell back to a local recompute.
+    kv_transfer_bytes_total: int | None = None
+    remote_prefills_total: int | None = None
+    prefill_fallbacks_total: int | None = None
+
+
+class Backend(Protocol):
+    async def info(self) -> BackendInfo:
+        """The model behind the stack. Raises BackendUnavailableError when nothing answers."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Stream token deltas until every sample finishes. Closing the iterator early aborts."""
+        ...
+
+    async def statuses(self) -> list[ServiceStatus]:
+        """The router and every worker behind it, live."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,98 @@
+"""Public gRPC requests (protos/kvrelay/v1/public.proto) in the terms of the HTTP schemas.
+
+A ChatRequest becomes a ChatCompletionRequest and a TextGenerateRequest a CompletionRequest, built from
+only the fields the client set, so both APIs share one set of rules, defaults and error messages (which
+name the field, e.g. `messages[0].role` or `temperature`). Only what proto3 cannot say the HTTP way is
+checked here: an empty conversation, the prompt given twice or not at all, top_logprobs without logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.codec.protocols.request_body import parse_schema
+from services.codec.protocols.schemas.openai import ChatCompletionRequest, CompletionRequest
+from services.common.errors import InvalidRequestError
+from services.common.sampling import MAX_LOGPROBS
+from services.proto_gen.kvrelay.v1 import public_pb2 as pb
+
+# SamplingOptions fields with presence (`optional`), copied only when set.
+OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "n",
+    "min_tokens",
+)
+
+
+def chat_request(request: pb.ChatRequest, served_model: str) -> ChatCompletionRequest:
+    """The request as /v1/chat/completions would parse it; InvalidRequestError names the field."""
+    if not request.messages:
+        raise InvalidRequestError("messages must hold at least one message", param="messages")
+    options = request.sampling
+    _check_top_logprobs(options)
+    body: dict[str, Any] = {
+        "model": request.model or served_model,
+        "messages": [_message(message) for message in request.messages],
+        **sampling_fields(options),
+    }
+    if options.logprobs:
+        body["logprobs"] = True
+    if options.HasField("top_logprobs"):
+        body["top_logprobs"] = options.top_logprobs
+    return parse_schema(ChatCompletionRequest, body)
+
+
+def completion_request(request: pb.TextGenerateRequest, served_model: str) -> CompletionRequest:
+    """The request as /v1/completions would parse it; InvalidRequestError names the field."""
+    if bool(request.prompt) == bool(request.prompt_token_ids):
+        raise InvalidRequestError("set exactly one of prompt and prompt_token_ids", param="prompt")
+    options = request.sampling
+    _check_top_logprobs(options)
+    prompt: str | list[int] = request.prompt or list(request.prompt_token_ids)
+    body: dict[str, Any] = {
+        "model": request.model or served_model,
+        "prompt": prompt,
+        **sampling_fields(options),
+    }
+    if options.logprobs:
+        body["logprobs"] = options.top_logprobs
+    return parse_schema(CompletionRequest, body)
+
+
+def sampling_fields(options: pb.SamplingOptions) -> dict[str, Any]:
+    """The HTTP fields for what `options` sets; unset fields are left out, so the defaults match."""
+    fields: dict[str, Any] = {
+        name: getattr(options, name) for name in OPTIONAL_SAMPLING_FIELDS if options.HasField(name)
+    }
+    if options.stop:
+        fields["stop"] = list(options.stop)
+    if options.stop_token_ids:
+        fields["stop_token_ids"] = list(options.stop_token_ids)
+    if options.ignore_eos:
+        fields["ignore_eos"] = True
+    return fields
+
+
+def _message(message: pb.ChatMessage) -> dict[str, Any]:
+    fields: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name:
+        fields["name"] = message.name
+    return fields
+
+
+def _check_top_logprobs(options: pb.SamplingOptions) -> None:
+    """Checked here because /v1/completions names the count `logprobs`."""
+    if options.HasField("top_logprobs") and not options.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+    if options.top_logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {options.top_logprobs}", "top_logprobs"
+        )

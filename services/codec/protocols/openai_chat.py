@@ -1,0 +1,128 @@
+"""OpenAI Chat Completions: `POST /v1/chat/completions`, non-streamed and streamed.
+
+Stream sequence (no `event:` lines), every chunk with the same id/created/model/system_fingerprint:
+
+    one chunk with every choice's `{"role": "assistant", "content": ""}` delta (indices 0..n-1, dense)
+    content chunks, one choice each, with `logprobs: {"content": [...]}` when asked
+    per choice, a chunk with an empty delta and its finish_reason
+    with stream_options.include_usage: a chunk with `choices: []` and usage
+    data: [DONE]
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
+from services.codec.protocols.common import (
+    CollectedSample,
+    Envelope,
+    admit_and_start,
+    collect_unless_gone,
+    open_route,
+    stream_response,
+    usage_body,
+)
+from services.codec.protocols.schemas.openai import ChatCompletionRequest
+from services.codec.protocols.sse import DONE, encode_event
+from services.codec.session import SESSION_HEADER, SessionSource, session_key
+from services.codec.text.prompts import encode_chat
+from services.common.outputs import TokenLogprob
+
+PROTOCOL = "chat.completions"
+ID_PREFIX = "chatcmpl"
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    state, stats, body = await open_route(request, ChatCompletionRequest, PROTOCOL)
+    messages = body.template_messages()
+    prompt_ids = encode_chat(state.require_chat_template(), state.tokenizer, messages, state.metrics)
+    generation = await admit_and_start(
+        request,
+        state,
+        stats,
+        body,
+        prompt_ids,
+        max_tokens=body.requested_max_tokens,
+        logprobs=body.num_top_logprobs,
+        prompt_param="messages",
+        session_key=session_key(
+            header=request.headers.get(SESSION_HEADER),
+            client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
+            model=state.identity.model_name,
+            messages=messages,
+        ),
+    )
+    envelope = Envelope.new(
+        ID_PREFIX, "chat.completion.chunk" if body.is_stream else "chat.completion", state
+    )
+    num_samples = body.n or 1
+    if body.is_stream:
+        events = _chunks(generation, envelope, num_samples, body.include_usage)
+        return stream_response(request, stats, generation, events)
+    samples, usage = await collect_unless_gone(request, generation, num_samples)
+    return JSONResponse(_completion_body(envelope, samples, usage, body.logprobs is True))
+
+
+def _completion_body(
+    envelope: Envelope, samples: list[CollectedSample], usage: Usage, with_logprobs: bool
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": sample.text, "refusal": None},
+            "logprobs": _logprobs(sample.logprobs) if with_logprobs else None,
+            "finish_reason": sample.finish.reason.value if sample.finish else "stop",
+        }
+        for index, sample in enumerate(samples)
+    ]
+    return envelope.wrap(choices, usage=usage_body(usage))
+
+
+async def _chunks(
+    generation: GenerationStream, envelope: Envelope, num_samples: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    roles = [_choice(index, {"role": "assistant", "content": ""}) for index in range(num_samples)]
+    yield encode_event(envelope.wrap(roles))
+    async for event in generation:
+        if isinstance(event, TextDelta):
+            logprobs = _logprobs(event.logprobs) if event.logprobs else None
+            yield encode_event(envelope.wrap([_choice(event.index, {"content": event.text}, logprobs)]))
+        elif isinstance(event, SampleFinished):
+            yield encode_event(envelope.wrap([_choice(event.index, {}, None, event)]))
+        elif include_usage:
+            yield encode_event(envelope.wrap([], usage=usage_body(event)))
+    yield DONE
+
+
+def _choice(
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+    finish: SampleFinished | None = None,
+) -> dict[str, Any]:
+    reason = finish.reason.value if finish is not None else None
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _logprobs(logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    return {"content": [_token_logprob(item) for item in logprobs], "refusal": None}
+
+
+def _token_logprob(item: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": item.token,
+        "logprob": item.logprob,
+        "bytes": list(item.token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            for text, (_, logprob) in zip(item.top_tokens, item.top, strict=True)
+        ],
+    }

@@ -1,0 +1,201 @@
+"""OpenAI Responses: `POST /v1/responses` (non-streamed and streamed), `GET` and `DELETE /v1/responses/{id}`.
+
+The prompt is `instructions` (a system message, never carried over), then the stored conversation of
+`previous_response_id` (its earlier turns, input and output), then `input`, through the chat template.
+Every response object carries the 32 keys of the Open Responses schema, on the final object and on
+each lifecycle event. Stream sequence (`event:` equals the data's `type`; `sequence_number` from 0):
+
+    response.created, response.in_progress        status in_progress, output []
+    response.output_item.added                    the message item, in_progress, no content
+    response.content_part.added                   an empty output_text part
+    response.output_text.delta                    once per text delta
+    response.output_text.done, response.content_part.done, response.output_item.done
+    response.completed | response.incomplete       (max_output_tokens or the context was hit)
+    data: [DONE]
+
+A failure after the first byte sends `error`, then `response.failed`, then `data: [DONE]`. A response
+is stored (for GET and continuation) when it completes or is incomplete, unless `store` is false.
+Stored responses are scoped to the authenticated tenant (admission/tenancy.py; "default" in open
+mode): unknown or another tenant's response IDs are a 404.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.codec.admission import tenancy
+from services.codec.errors import (
+    INVALID_REQUEST,
+    UnsupportedParameterError,
+    WireError,
+    error_response,
+)
+from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
+from services.codec.protocols.common import admit_and_start, collect_unless_gone, open_route, stream_response
+from services.codec.protocols.openai_responses_events import Lifecycle, ResponseDraft
+from services.codec.protocols.schemas.responses import ResponsesRequest
+from services.codec.response_store import ResponseStore, StoredResponse, store_from_env
+from services.codec.session import SESSION_HEADER, SessionSource, session_key
+from services.codec.text.prompts import encode_chat
+from services.common.errors import InvalidRequestError
+
+PROTOCOL = "responses"
+
+
+class PreviousResponseNotFoundError(InvalidRequestError):
+    """`previous_response_id` names no response this tenant stored (a 404, answered by the route)."""
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await response_store(app).aclose()
+
+
+router = APIRouter(lifespan=_lifespan)
+
+
+def install_responses(app: FastAPI, store: ResponseStore | None = None) -> None:
+    """Adds the routes and their response store (chosen by `store_from_env` unless given) to `app`."""
+    app.state.responses_store = store if store is not None else store_from_env(os.environ)
+    app.include_router(router)
+
+
+def tenant_of(request: Request) -> str:
+    """Whose stored responses this request sees: the authenticated tenant's ID."""
+    return tenancy.tenant_of(request).tenant_id
+
+
+def response_store(app: FastAPI) -> ResponseStore:
+    store: ResponseStore = app.state.responses_store
+    return store
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    state, stats, body = await open_route(request, ResponsesRequest, PROTOCOL)
+    store, tenant = response_store(request.app), tenant_of(request)
+    try:
+        history = await _history(store, tenant, body)
+    except PreviousResponseNotFoundError as exc:
+        return _not_found(str(exc), exc.param, "previous_response_not_found")
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    prompt_ids = encode_chat(state.require_chat_template(), state.tokenizer, system + history, state.metrics)
+    try:
+        generation = await admit_and_start(
+            request,
+            state,
+            stats,
+            body.sampling_fields(),
+            prompt_ids,
+            max_tokens=body.max_output_tokens,
+            logprobs=None,
+            prompt_param="input",
+            # `history` holds no instructions and starts with the stored conversation of
+            # previous_response_id, so every turn of a conversation has the same first user turn.
+            session_key=session_key(
+                header=request.headers.get(SESSION_HEADER),
+                client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
+                model=state.identity.model_name,
+                messages=history,
+            ),
+        )
+    except InvalidRequestError as exc:
+        raise _renamed_max_tokens(exc) from None
+    draft = ResponseDraft.new(body, state.identity.model_name)
+    keeper = _Keeper(store if body.is_stored else None, tenant, draft.response_id, history)
+    if body.is_stream:
+        lifecycle = Lifecycle(draft)
+        events = _events(generation, lifecycle, keeper)
+        return stream_response(request, stats, generation, events, lifecycle.failed)
+    samples, usage = await collect_unless_gone(request, generation, 1)
+    final = draft.final(samples[0].text, samples[0].finish, usage)
+    await keeper.keep(final, samples[0].text)
+    return JSONResponse(final)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    if request.query_params.get("stream", "").lower() == "true":
+        raise UnsupportedParameterError("streaming a stored response is not supported", "stream")
+    record = await response_store(request.app).get(tenant_of(request), response_id)
+    if record is None:
+        return _not_found(f"Response with id {response_id!r} not found.", None, "not_found")
+    return JSONResponse(record.body)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    if not await response_store(request.app).delete(tenant_of(request), response_id):
+        return _not_found(f"Response with id {response_id!r} not found.", None, "not_found")
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def _history(store: ResponseStore, tenant: str, body: ResponsesRequest) -> list[dict[str, str]]:
+    """The conversation without instructions: the previous response's stored one, then `input`."""
+    history: list[dict[str, str]] = []
+    if body.previous_response_id is not None:
+        previous = await store.get(tenant, body.previous_response_id)
+        if previous is None:
+            message = f"Previous response with id {body.previous_response_id!r} not found."
+            raise PreviousResponseNotFoundError(message, param="previous_response_id")
+        history = list(previous.conversation)
+    return history + body.input_messages()
+
+
+def _not_found(message: str, param: str | None, code: str) -> Response:
+    return error_response(WireError(404, message, INVALID_REQUEST, param, code))
+
+
+def _renamed_max_tokens(exc: InvalidRequestError) -> InvalidRequestError:
+    """Admission names `max_tokens`; this protocol calls it `max_output_tokens`."""
+    if exc.param == "max_tokens":
+        exc.param = "max_output_tokens"
+        exc.args = (str(exc).replace("max_tokens", "max_output_tokens"),)
+    return exc
+
+
+@dataclass
+class _Keeper:
+    """Stores a finished response with the conversation a continuation starts from (None: not stored)."""
+
+    store: ResponseStore | None
+    tenant: str
+    response_id: str
+    history: list[dict[str, str]]
+
+    async def keep(self, final: dict[str, Any], text: str) -> None:
+        if self.store is None:
+            return
+        conversation = [*self.history, {"role": "assistant", "content": text}]
+        await self.store.put(self.tenant, StoredResponse(self.response_id, final, conversation))
+
+
+async def _events(
+    generation: GenerationStream, lifecycle: Lifecycle, keeper: _Keeper
+) -> AsyncIterator[bytes]:
+    for chunk in lifecycle.opening():
+        yield chunk
+    finish: SampleFinished | None = None
+    usage = Usage(0, 0, 0)
+    async for event in generation:
+        if isinstance(event, TextDelta):
+            if event.text:
+                yield lifecycle.delta(event.text)
+        elif isinstance(event, SampleFinished):
+            finish = event
+        else:
+            usage = event
+    final = lifecycle.draft.final(lifecycle.text, finish, usage)
+    await keeper.keep(final, lifecycle.text)
+    for chunk in lifecycle.closing(final):
+        yield chunk
