@@ -125,3 +125,14 @@ def run_python(code: str, stdin: bytes = b"") -> bytes:
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     return done.stdout
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace a file as a mounted Secret changes: a new file renamed over it, with a later mtime (so a
+    reader that watches the mtime sees the change even within one clock tick)."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    mtime = path.stat().st_mtime_ns + 1_000_000_000 if path.exists() else None
+    os.replace(temporary, path)
+    if mtime is not None:
+        os.utime(path, ns=(mtime, mtime))

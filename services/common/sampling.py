@@ -27,6 +27,7 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_PENALTY_MAGNITUDE = 2.0
 SEED_LIMIT = 2**63
+MAX_STOP_TOKEN_IDS = 128  # each is checked against every sampled token
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class SamplingParams:
                 param="min_tokens",
             )
         max_token_id = None if vocab_size is None else vocab_size - 1
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidSamplingError(
+                f"stop_token_ids holds {len(self.stop_token_ids)} IDs; the limit is {MAX_STOP_TOKEN_IDS}",
+                param="stop_token_ids",
+            )
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, max_token_id)
         if not isinstance(self.ignore_eos, bool):

@@ -79,6 +79,7 @@ class RemotePrefill:
         self.transfer_timeout_s = transfer_timeout_s
         self.receivers: Mapping[str, KVReceiver] = receivers or {"grpc": GrpcReceiver()}
         self.device = engine.core.device
+        self.vocab_size = engine.core.model_config.vocab_size
         self._ipc_refused: dict[str, float] = {}  # prefill address -> until when it gets grpc instead
         self._stubs: dict[str, kv_transfer_pb2_grpc.PrefillStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -157,7 +158,7 @@ class RemotePrefill:
         try:
             responses = aiter(call)
             try:
-                header = await self._header(responses)
+                header = await self._header(responses, prefill_request)
                 header_at = time.monotonic()
             except TRANSFER_FAILURES as exc:
                 self._fall_back(request_id, remote.address, transfer, exc)
@@ -242,7 +243,7 @@ class RemotePrefill:
         call = self._stub(address).Prefill(prefill_request, metadata=metadata, timeout=remaining)
         try:
             responses = aiter(call)
-            header = await self._header(responses)
+            header = await self._header(responses, prefill_request)
             if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 raise KVTransferFault("the second prefill ended at its first token: no KV came")
             request_id = prefill_request.request_id
@@ -250,13 +251,16 @@ class RemotePrefill:
         finally:
             call.cancel()
 
-    async def _header(self, responses: AsyncIterator[kvpb.PrefillResponse]) -> kvpb.PrefillHeader:
+    async def _header(
+        self, responses: AsyncIterator[kvpb.PrefillResponse], request: kvpb.PrefillRequest
+    ) -> kvpb.PrefillHeader:
         first = await anext(responses)
         if first.WhichOneof("item") != "header":
             raise KVTransferFault("the prefill stream did not start with a header")
         header = first.header
         if header.model_fingerprint != self.model_fingerprint:
             raise KVTransferFault(f"KV from model {header.model_fingerprint!r}, not this replica's")
+        check_header(header, request, self.vocab_size)
         return header
 
     async def _receive(
@@ -325,3 +329,25 @@ def _first_response(header: kvpb.PrefillHeader, with_logprobs: bool) -> pb.Gener
         num_cached_tokens=header.num_cached_tokens,
         prefill_mode=pb.PREFILL_MODE_REMOTE if header.finish_reason else pb.PREFILL_MODE_UNSPECIFIED,
     )
+
+
+def check_header(header: kvpb.PrefillHeader, request: kvpb.PrefillRequest, vocab_size: int) -> None:
+    """A prefill replica's header checked against the request it answers, before anything is allocated
+    for it: the KV must start where this replica asked, cover exactly the rest of the prompt, come in a
+    possible number of chunks, and follow a first token from the vocabulary."""
+    num_prompt = len(request.prompt_token_ids)
+    if header.num_prompt_tokens != num_prompt or header.first_token_position != request.num_skip_tokens:
+        raise KVTransferFault(
+            f"the header covers a prompt of {header.num_prompt_tokens} tokens from position "
+            f"{header.first_token_position}; asked for {num_prompt} from {request.num_skip_tokens}"
+        )
+    if not 0 <= header.first_token.token_id < vocab_size:
+        raise KVTransferFault(f"first token {header.first_token.token_id} is outside the vocabulary")
+    if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        return  # the first token ended the request: no KV follows
+    num_kv = num_prompt - request.num_skip_tokens
+    if header.num_kv_tokens != num_kv or not 1 <= header.num_chunks <= num_kv:
+        raise KVTransferFault(
+            f"the header promises {header.num_kv_tokens} KV tokens in {header.num_chunks} chunks; "
+            f"{num_kv} tokens in 1..{num_kv} chunks are due"
+        )

@@ -18,7 +18,7 @@ from services.common.manifest import compute_manifest, write_manifest
 from tests.stack_helpers import REPO_ROOT, Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 KVRELAY_CLI = str(REPO_ROOT / ".venv/bin/kvrelay")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TEMPLATE = (

@@ -27,7 +27,7 @@ from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.reference_prompts import long_text
 from tests.stack_helpers import Proc, free_port, stack_env, wait_idle, wait_serving
 
-TOKEN = "pd-test-token"
+TOKEN = "pd-test-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 
 

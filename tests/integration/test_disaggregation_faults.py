@@ -37,7 +37,7 @@ from tests.engine_helpers import make_engine
 from tests.stack_helpers import Proc, free_port, run_python, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "faults-token"
+TOKEN = "faults-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
 FIRST_TOKEN = 42
@@ -81,10 +81,12 @@ class FakePrefill(kv_transfer_pb2_grpc.PrefillServicer):
         header = kvpb.PrefillHeader(
             model_fingerprint="another-model" if fault == "fingerprint" else self.fingerprint,
             layout=LAYOUT.to_proto(),
-            first_token=pb.TokenLogprob(token_id=FIRST_TOKEN),
+            first_token=pb.TokenLogprob(
+                token_id=1 << 30 if fault == "first_token_outside_vocab" else FIRST_TOKEN
+            ),
             num_prompt_tokens=len(request.prompt_token_ids),
             first_token_position=request.num_skip_tokens,
-            num_kv_tokens=num_kv,
+            num_kv_tokens=1 << 40 if fault == "huge_kv" else num_kv,  # a header D must not allocate for
             num_chunks=1 if fault != "block_count" else 2,
         )
         yield kvpb.PrefillResponse(header=header)
@@ -224,7 +226,7 @@ def stall_outcomes(fake: FakePrefill, num_stalls: int) -> list[bool]:
     return fake.stalls_ended_by_caller
 
 
-@pytest.mark.parametrize("fault", ["fingerprint", "garbage"])
+@pytest.mark.parametrize("fault", ["fingerprint", "garbage", "huge_kv", "first_token_outside_vocab"])
 def test_fault_before_the_first_token_recomputes_the_whole_request(rig: Rig, fault: str) -> None:
     want, _ = run(rig, f"local-{fault}", remote=False)
     before = assert_idle(rig).prefill_fallbacks_total

@@ -17,7 +17,7 @@ from tests.stack_helpers import Proc, free_port, stack_env
 from tests.tiny_model import make_tiny_llama
 from tests.tls_certs import Certs, make_certs
 
-TOKEN = "tls-token"
+TOKEN = "tls-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 
 

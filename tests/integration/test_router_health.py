@@ -21,7 +21,7 @@ from tests.router_fakes import serve_worker
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "health-token"
+TOKEN = "health-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 NUM_STREAMS = 6
 # Long enough (a second or more on a shared 2-core machine) that no stream ends between seeing where the

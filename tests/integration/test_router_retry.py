@@ -25,7 +25,7 @@ from tests.router_fakes import FakeReplica, FakeServer, GenerateScript, start_fa
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "retry-token"
+TOKEN = "retry-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 PROMPT = [5, 9, 17, 33, 2, 8]
 

@@ -29,7 +29,7 @@ from tests.e2e.conftest import wait_http_ready
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "tracing-token"
+TOKEN = "tracing-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 SERVICES = ("kvrelay-codec", "kvrelay-router", "kvrelay-prefill", "kvrelay-decode")
 

@@ -17,7 +17,7 @@ from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.stack_helpers import Proc, assert_cut_short, free_port, stack_env, wait_idle, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "abort-token"
+TOKEN = "abort-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 MAX_TOKENS = 4000  # minutes of decode on one thread would be needed; the abort comes after the first token
 PROMPT = [(i * 7) % 120 + 2 for i in range(40)]

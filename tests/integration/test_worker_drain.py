@@ -17,7 +17,7 @@ from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "drain-token"
+TOKEN = "drain-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 
 

@@ -23,7 +23,7 @@ from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "kv-events-token"
+TOKEN = "kv-events-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 BLOCK_SIZE = 16
 WARM_UP_PROMPT = list(range(1, 17))  # services/worker/server.py warm_up: one full block, cached at start

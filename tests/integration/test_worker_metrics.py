@@ -15,7 +15,7 @@ from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
 
-TOKEN = "metrics-token"
+TOKEN = "metrics-token-0123456789"
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

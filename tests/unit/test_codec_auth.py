@@ -542,19 +542,22 @@ def test_rpc_tenant_outside_a_call_is_open_mode() -> None:
 
 def test_the_internal_token_rotates_from_its_file(tmp_path: Path) -> None:
     path = tmp_path / "token"
-    path.write_text("first\n")
+    path.write_text("first-token-0123456789\n")
     tokens = TokenSource.from_env({"KVRELAY_INTERNAL_TOKEN_FILE": str(path)})
-    assert tokens.current() == "first"
-    assert tokens.metadata("r1") == (("authorization", "Bearer first"), ("x-request-id", "r1"))
-    path.write_text("second\n")
+    assert tokens.current() == "first-token-0123456789"
+    assert tokens.metadata("r1") == (
+        ("authorization", "Bearer first-token-0123456789"),
+        ("x-request-id", "r1"),
+    )
+    path.write_text("second-token-0123456789\n")
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert tokens.current() == "second"
+    assert tokens.current() == "second-token-0123456789"
 
 
 async def test_the_internal_interceptor_follows_the_rotated_token(tmp_path: Path) -> None:
     path = tmp_path / "token"
-    path.write_text("first")
+    path.write_text("first-token-0123456789")
     interceptor = InternalTokenInterceptor(TokenSource(path=path))
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
 
@@ -566,9 +569,9 @@ async def test_the_internal_interceptor_follows_the_rotated_token(tmp_path: Path
             self.method = "/kvrelay.v1.Worker/Info"
             self.invocation_metadata = (("authorization", f"Bearer {token}"),)
 
-    assert await interceptor.intercept_service(continuation, Details("first")) is handler
-    path.write_text("second")
+    assert await interceptor.intercept_service(continuation, Details("first-token-0123456789")) is handler
+    path.write_text("second-token-0123456789")
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert await interceptor.intercept_service(continuation, Details("first")) is not handler
-    assert await interceptor.intercept_service(continuation, Details("second")) is handler
+    assert await interceptor.intercept_service(continuation, Details("first-token-0123456789")) is not handler
+    assert await interceptor.intercept_service(continuation, Details("second-token-0123456789")) is handler

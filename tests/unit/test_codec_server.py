@@ -46,7 +46,7 @@ def test_identity_comes_from_the_verified_manifest(model_dir: Path) -> None:
 
 
 async def test_grpc_backend_is_built_lazily_for_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVRELAY_INTERNAL_TOKEN", "t0ken")
+    monkeypatch.setenv("KVRELAY_INTERNAL_TOKEN", "t0ken-0123456789abcdef")
     backend = connect_backend("127.0.0.1:1")
     try:
         assert backend.router_address == "127.0.0.1:1"  # type: ignore[attr-defined]

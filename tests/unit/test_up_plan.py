@@ -14,7 +14,7 @@ from services.cli.probes import LIVENESS_SERVICE, GrpcHealthCheck, HttpReadyChec
 from services.cli.supervisor import Role
 from services.common.errors import ConfigError, ModelNotFoundError
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -4,12 +4,18 @@ The body is read by the route (not by FastAPI's dependency machinery) so that ea
 own error: wrong Content-Type (415), over the size limit (413, raised by the middleware while the body
 streams in), invalid UTF-8, invalid JSON or a non-object body (400), and schema violations (400 naming
 the param, e.g. `messages[0].role`).
+
+Hostile bodies are refused before they cost anything: arrays and objects nested deeper than
+MAX_JSON_DEPTH (400, checked on the raw text before parsing, so a 100,000-deep body never reaches the
+parser's recursion), and strings holding a lone UTF-16 surrogate (`"\ud800"`: valid JSON, but no
+text, so the tokenizer could not encode it) are a 400 naming where it is.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import typing
 from typing import Any, TypeVar
 
@@ -22,6 +28,9 @@ from services.common.errors import InvalidRequestError
 
 SchemaT = TypeVar("SchemaT", bound=BaseModel)
 JSON_TYPES = ("application/json",)
+MAX_JSON_DEPTH = 64  # a JSON schema of a tool or a response format nests far less than this
+_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # a string (skipped whole) or a bracket
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: one half of a surrogate pair
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
@@ -35,13 +44,48 @@ async def read_json_object(request: Request) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedBodyError(f"the body is not valid UTF-8 (byte {exc.start})") from None
+    _check_depth(text)
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError) as exc:
         raise MalformedBodyError(f"the body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text):  # only then can a parsed string hold a lone surrogate
+        _check_text(data, "")
     if not isinstance(data, dict):
         raise MalformedBodyError(f"the body must be a JSON object, got {_json_type(data)}")
     return data
+
+
+def _check_depth(text: str) -> None:
+    """A 400 when arrays and objects nest deeper than MAX_JSON_DEPTH (strings are skipped whole)."""
+    depth = 0
+    for match in _STRUCTURE.finditer(text):
+        char = match.group()
+        if char in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise MalformedBodyError(f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH}")
+        elif char in "]}":
+            depth -= 1
+
+
+def _check_text(value: Any, where: str) -> None:
+    """A 400 naming the first string (key or value) that holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(
+                f"{where or 'the body'}: a string holds a lone UTF-16 surrogate, which is not text",
+                param=where or None,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, f"{where}[{index}]")
 
 
 async def read_request(request: Request, schema: type[SchemaT]) -> SchemaT:

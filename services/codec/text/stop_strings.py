@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidRequestError
 
+# A matcher holds back up to the longest stop string's length of text: a longer one would stall the stream.
+MAX_STOP_STRING_CHARS = 512
+
 
 @dataclass(frozen=True, slots=True)
 class StopResult:

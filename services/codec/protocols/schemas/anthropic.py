@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from services.codec.errors import UnsupportedParameterError
+from services.codec.text.stop_strings import MAX_STOP_STRING_CHARS
 from services.common.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 16  # a server limit: each one is matched against every token's text
@@ -167,7 +168,11 @@ class PromptFields(Strict):
 class MessagesRequest(PromptFields):
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: (
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)] | None
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+            Field(max_length=MAX_STOP_SEQUENCES),
+        ]
+        | None
     ) = None
     stream: bool | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None

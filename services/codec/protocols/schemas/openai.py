@@ -20,10 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.codec.errors import UnsupportedParameterError
+from services.codec.text.stop_strings import MAX_STOP_STRING_CHARS
 from services.common.errors import InvalidRequestError
-from services.common.sampling import MAX_LOGPROBS, MAX_N
+from services.common.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 
-StopString = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -111,7 +112,9 @@ class SamplingFields(Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
 
     @property
     def is_stream(self) -> bool:
@@ -140,7 +143,9 @@ class SamplingFields(Strict):
             "seed": self.seed,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
-            "stop_token_ids": None if self.stop_token_ids is None else tuple(self.stop_token_ids),
+            "stop_token_ids": None
+            if self.stop_token_ids is None
+            else tuple(dict.fromkeys(self.stop_token_ids)),
         }
         return {name: value for name, value in values.items() if value is not None}
 
