@@ -37,6 +37,7 @@ import hashlib
 import os
 import re
 import tempfile
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 
 import torch
@@ -52,6 +53,7 @@ from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 # so its chunks stay at the byte transports' size.
 IPC_CHUNK_BYTES = {"cuda": 32 << 20, "cpu": TARGET_CHUNK_BYTES}
 DEFAULT_HOLD_S = 30.0
+MAX_OPEN_EXPORTS = 64  # mappings a decode replica keeps for transfers in progress
 _SHM_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")
 
 
@@ -219,6 +221,9 @@ class IpcReceiver:
         self.device = device
         self.domain = ipc_domain(device)
         self._bytes = GrpcReceiver()
+        # The storage a transfer's chunks map, opened once per transfer (a fresh mapping per chunk would
+        # fault every page in again): (request ID, handle) -> the whole export, dropped at its last chunk.
+        self._opened: OrderedDict[tuple[str, bytes], torch.Tensor] = OrderedDict()
 
     def prepare(self, request: kvpb.PrefillRequest) -> None:
         request.ipc_domain = self.domain
@@ -235,13 +240,25 @@ class IpcReceiver:
                 f"chunk {chunk.index} (tokens {chunk.start_token}+{chunk.num_tokens}) is outside the "
                 f"shared export of {handle.num_tokens} tokens from {handle.first_token}"
             )
-        source = open_shared(handle, handle.num_tokens * layout.bytes_per_token, self.device)
-        shape = (layout.num_layers, handle.num_tokens, 2, layout.num_kv_heads, layout.head_dim)
-        whole = source.view(layout.dtype).view(shape)
+        whole = self._whole(request.request_id, handle, layout)
+        if offset + chunk.num_tokens == handle.num_tokens:  # the last chunk: let go of the mapping
+            self._opened.pop((request.request_id, handle.SerializeToString()), None)
         piece = whole[:, offset : offset + chunk.num_tokens].contiguous()  # [L, n, 2, kv_heads, head_dim]
         if kv_checksum(_wire_bytes(piece)) != chunk.device_checksum:
             raise KVTransferFault(f"chunk {chunk.index}: device checksum mismatch")
         return piece
+
+    def _whole(self, request_id: str, handle: kvpb.IpcSlice, layout: Layout) -> torch.Tensor:
+        """The shared export [num_layers, num_tokens, 2, kv_heads, head_dim], opened on first use."""
+        key = (request_id, handle.SerializeToString())
+        whole = self._opened.get(key)
+        if whole is None:
+            source = open_shared(handle, handle.num_tokens * layout.bytes_per_token, self.device)
+            shape = (layout.num_layers, handle.num_tokens, 2, layout.num_kv_heads, layout.head_dim)
+            whole = self._opened[key] = source.view(layout.dtype).view(shape)
+            while len(self._opened) > MAX_OPEN_EXPORTS:  # transfers abandoned midway
+                self._opened.popitem(last=False)
+        return whole
 
 
 def kv_checksum(flat: torch.Tensor) -> int:

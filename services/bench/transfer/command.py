@@ -4,7 +4,7 @@ It starts its own processes on free loopback ports with a random internal token,
 no two stacks compete for the CPU), under `kvrelay up`'s supervisor (stack.py), and stops them all in the
 end, on Ctrl-C or SIGTERM too:
 
-- disaggregated, per transport (`--transports`, default grpc,torch): a prefill worker (P) and a decode
+- disaggregated, per transport (`--transports`, default grpc,torch,ipc): a prefill worker (P) and a decode
   worker (D) with `--threads` torch threads each (default 1) and a router over both;
 - colocated: one worker with P's and D's threads together (default 2: the same cores in total) and a router.
 
@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=Path("models/smollm2-135m-instruct"))
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32")
     p.add_argument("--prompt-lengths", default="512,2000", help="comma-separated prompt lengths (tokens)")
-    p.add_argument("--transports", default="grpc,torch", help="comma-separated: grpc, torch")
+    p.add_argument("--transports", default="grpc,torch,ipc", help="comma-separated: grpc, torch, ipc")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=8, help="tokens per transfer request (at least 3)")
     p.add_argument("--threads", type=int, default=1, help="per P and D worker; colocated gets twice this")
@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
 def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], LoadPlan]:
     lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if not lengths or not transports or set(transports) - {"grpc", "torch"}:
-        raise SystemExit("--prompt-lengths needs numbers, --transports a list of grpc and torch")
+    if not lengths or not transports or set(transports) - {"grpc", "torch", "ipc"}:
+        raise SystemExit("--prompt-lengths needs numbers, --transports a list of grpc, torch and ipc")
     if args.new_tokens < 3 or args.repeats < 1:
         raise SystemExit("--new-tokens must be at least 3 (the second token and one gap after it)")
     if args.local_below and not args.short_tokens < args.local_below <= args.long_tokens:
