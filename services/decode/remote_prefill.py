@@ -275,15 +275,18 @@ class RemotePrefill:
         receiver = self.receivers.get(prefill_request.transport)
         if receiver is None:
             raise KVTransferFault(f"transport {prefill_request.transport!r} is not offered here")
-        while not assembler.is_complete:
-            item = await anext(responses)
-            if item.WhichOneof("item") != "chunk":
-                raise KVTransferFault("a second header in the prefill stream")
-            assembler.expect(item.chunk)
-            assembler.add(item.chunk, await receiver.receive(prefill_request, item.chunk, self.layout))
-            # ipc asked of a P in another domain comes as bytes, as grpc's does
-            ipc_as_bytes = prefill_request.transport == "ipc" and not item.chunk.HasField("ipc")
-            transfer.transport = "grpc" if ipc_as_bytes else prefill_request.transport
+        try:
+            while not assembler.is_complete:
+                item = await anext(responses)
+                if item.WhichOneof("item") != "chunk":
+                    raise KVTransferFault("a second header in the prefill stream")
+                assembler.expect(item.chunk)
+                assembler.add(item.chunk, await receiver.receive(prefill_request, item.chunk, self.layout))
+                # ipc asked of a P in another domain comes as bytes, as grpc's does
+                ipc_as_bytes = prefill_request.transport == "ipc" and not item.chunk.HasField("ipc")
+                transfer.transport = "grpc" if ipc_as_bytes else prefill_request.transport
+        finally:
+            receiver.release(prefill_request)  # complete or not: nothing of this transfer is held
         export = assembler.export()
         if transfer.first is None:
             raise KVTransferFault("KV arrived without a first token")

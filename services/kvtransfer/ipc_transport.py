@@ -37,7 +37,6 @@ import hashlib
 import os
 import re
 import tempfile
-from collections import OrderedDict
 from collections.abc import AsyncGenerator
 
 import torch
@@ -53,7 +52,6 @@ from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 # so its chunks stay at the byte transports' size.
 IPC_CHUNK_BYTES = {"cuda": 32 << 20, "cpu": TARGET_CHUNK_BYTES}
 DEFAULT_HOLD_S = 30.0
-MAX_OPEN_EXPORTS = 64  # mappings a decode replica keeps for transfers in progress
 _SHM_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")
 
 
@@ -222,8 +220,9 @@ class IpcReceiver:
         self.domain = ipc_domain(device)
         self._bytes = GrpcReceiver()
         # The storage a transfer's chunks map, opened once per transfer (a fresh mapping per chunk would
-        # fault every page in again): (request ID, handle) -> the whole export, dropped at its last chunk.
-        self._opened: OrderedDict[tuple[str, bytes], torch.Tensor] = OrderedDict()
+        # fault every page in again): request ID -> the whole export, dropped by `release` when the
+        # transfer ends, however it ends (a mapping held would keep the peer's memory alive).
+        self._opened: dict[str, torch.Tensor] = {}
 
     def prepare(self, request: kvpb.PrefillRequest) -> None:
         request.ipc_domain = self.domain
@@ -241,23 +240,22 @@ class IpcReceiver:
                 f"shared export of {handle.num_tokens} tokens from {handle.first_token}"
             )
         whole = self._whole(request.request_id, handle, layout)
-        if offset + chunk.num_tokens == handle.num_tokens:  # the last chunk: let go of the mapping
-            self._opened.pop((request.request_id, handle.SerializeToString()), None)
         piece = whole[:, offset : offset + chunk.num_tokens].contiguous()  # [L, n, 2, kv_heads, head_dim]
         if kv_checksum(_wire_bytes(piece)) != chunk.device_checksum:
             raise KVTransferFault(f"chunk {chunk.index}: device checksum mismatch")
         return piece
 
+    def release(self, request: kvpb.PrefillRequest) -> None:
+        self._opened.pop(request.request_id, None)
+
     def _whole(self, request_id: str, handle: kvpb.IpcSlice, layout: Layout) -> torch.Tensor:
-        """The shared export [num_layers, num_tokens, 2, kv_heads, head_dim], opened on first use."""
-        key = (request_id, handle.SerializeToString())
-        whole = self._opened.get(key)
+        """The shared export [num_layers, num_tokens, 2, kv_heads, head_dim], opened on first use. A
+        transfer shares one export, so its request ID names it."""
+        whole = self._opened.get(request_id)
         if whole is None:
             source = open_shared(handle, handle.num_tokens * layout.bytes_per_token, self.device)
             shape = (layout.num_layers, handle.num_tokens, 2, layout.num_kv_heads, layout.head_dim)
-            whole = self._opened[key] = source.view(layout.dtype).view(shape)
-            while len(self._opened) > MAX_OPEN_EXPORTS:  # transfers abandoned midway
-                self._opened.popitem(last=False)
+            whole = self._opened[request_id] = source.view(layout.dtype).view(shape)
         return whole
 
 

@@ -600,6 +600,10 @@ class TorchReceiver:
         shape = (layout.num_layers, chunk.num_tokens, 2, layout.num_kv_heads, layout.head_dim)
         return inbound.flats[chunk.index].view(layout.dtype).view(shape)
 
+    def release(self, request: kvpb.PrefillRequest) -> None:
+        """Nothing to do: a transfer's state goes at its last chunk or its failure, and an abandoned one
+        expires at its deadline (its waiting threads must keep the posted buffers until then)."""
+
     async def _start(self, tag: int, inbound: _Inbound, layout: Layout) -> None:
         """Read the announcement, and post the receives of every chunk it promises."""
         deadline = inbound.deadline

@@ -48,13 +48,16 @@ class KVSender(Protocol):
 class KVReceiver(Protocol):
     """Decode side. `prepare` fills the request's transport fields before the Prefill call (it may raise
     KVTransferFault: the caller then recomputes); `receive` gives the tensor
-    [num_layers, num_tokens, 2, kv_heads, head_dim] of one chunk of that request, checked."""
+    [num_layers, num_tokens, 2, kv_heads, head_dim] of one chunk of that request, checked; `release`
+    drops whatever the receiver still holds for that request's transfer, once it has ended in any way."""
 
     def prepare(self, request: kvpb.PrefillRequest) -> None: ...
 
     async def receive(
         self, request: kvpb.PrefillRequest, chunk: kvpb.KVChunk, layout: Layout
     ) -> torch.Tensor: ...
+
+    def release(self, request: kvpb.PrefillRequest) -> None: ...
 
 
 class GrpcSender:
@@ -85,3 +88,6 @@ class GrpcReceiver:
         if checksum(chunk.data) != chunk.crc32:
             raise KVTransferFault(f"chunk {chunk.index}: checksum mismatch")
         return from_bytes(chunk.data, layout, chunk.num_tokens)
+
+    def release(self, request: kvpb.PrefillRequest) -> None:
+        """Nothing is held between chunks."""

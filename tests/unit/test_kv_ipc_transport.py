@@ -4,7 +4,9 @@ real processes; the device checksum against its slow reference; every refusal.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from services.kvtransfer.ipc_transport import (
     IpcSender,
     IpcUnavailable,
     ipc_domain,
+    kv_checksum,
     open_shared,
     share,
 )
@@ -168,6 +171,22 @@ def test_a_decode_replica_in_another_domain_gets_the_bytes() -> None:
     assert chunks and all(c.data and not c.HasField("ipc") for c in chunks)
     piece = asyncio.run(IpcReceiver(CPU).receive(request, chunks[0], LAYOUT))
     assert torch.equal(piece, export.kv[:, : chunks[0].num_tokens])
+
+
+def test_release_lets_go_of_the_mapping_a_transfer_opened() -> None:
+    """Held past its transfer, a mapping would keep the peer's memory alive (CUDA IPC ref counts it)."""
+    export = export_of(300)
+    kv = export.kv.contiguous()
+    handle = share(kv.view(torch.uint8).reshape(-1))
+    handle.first_token, handle.num_tokens = 0, 300
+    request, receiver = kvpb.PrefillRequest(request_id="r"), IpcReceiver(CPU)
+    chunk = kvpb.KVChunk(index=0, start_token=0, num_tokens=16, ipc=handle)
+    chunk.device_checksum = kv_checksum(kv[:, :16].contiguous().view(torch.uint8).reshape(-1))
+    asyncio.run(receiver.receive(request, chunk, LAYOUT))
+    mapped = weakref.ref(receiver._opened["r"])
+    receiver.release(request)
+    gc.collect()
+    assert mapped() is None
 
 
 def test_a_checksum_mismatch_is_a_transfer_fault() -> None:
