@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -47,6 +48,8 @@ from services.kvtransfer.chunks import TARGET_CHUNK_BYTES, KVTransferFault, Layo
 from services.kvtransfer.device_checksum import device_checksum
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
+
+log = logging.getLogger(__name__)
 
 # Only a handle crosses per chunk, so GPU chunks are large; a CPU checksums each chunk on the event loop,
 # so its chunks stay at the byte transports' size.
@@ -185,6 +188,14 @@ class IpcSender:
         self.hold_s = hold_s
         self._chunk_bytes = IPC_CHUNK_BYTES[device.type]
         self._bytes = GrpcSender()
+        if device.type == "cpu":  # torch starts its shared-memory manager on first use: here, not mid-request
+            try:
+                share(torch.zeros(1, dtype=torch.uint8))
+            except RuntimeError as exc:
+                log.warning(
+                    "shared-memory manager did not start; ipc transfers will fail over",
+                    extra={"reason": str(exc)},
+                )
 
     def chunk_bytes(self, request: kvpb.PrefillRequest) -> int:
         return self._chunk_bytes if request.ipc_domain == self.domain else self._bytes.chunk_bytes(request)
