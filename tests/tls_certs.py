@@ -25,8 +25,8 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_certs(directory: Path, name: str = "service") -> Certs:
-    """A CA, and a certificate for 127.0.0.1/localhost usable as server and client."""
+def make_certs(directory: Path, name: str = "service", san: str = "IP:127.0.0.1,DNS:localhost") -> Certs:
+    """A CA, and a certificate for `san` (127.0.0.1/localhost) usable as server and client."""
     directory.mkdir(parents=True, exist_ok=True)
     _openssl(
         "req",
@@ -44,9 +44,7 @@ def make_certs(directory: Path, name: str = "service") -> Certs:
         "ca.pem",
         cwd=directory,
     )
-    (directory / f"{name}.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
-    )
+    (directory / f"{name}.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n")
     _openssl(
         "req",
         "-newkey",

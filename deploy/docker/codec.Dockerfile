@@ -45,4 +45,6 @@ EXPOSE 8000 50052
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["kvrelay-healthcheck", "http", "http://127.0.0.1:8000/health"]
 ENTRYPOINT ["kvrelay"]
+# On 0.0.0.0 the codec needs API keys (KVRELAY_AUTH__KEYS_FILE), or KVRELAY_AUTH__ALLOW_OPEN=true to serve
+# anyone: it refuses open mode off loopback (docs/admission.md).
 CMD ["codec", "--router", "router:50051", "--model", "/models/current", "--host", "0.0.0.0", "--port", "8000"]

@@ -22,7 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "port at --host; 0 or absent: off",
     )
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, help="graceful shutdown timeout")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="default: logging.codec, else logging.level (info)",
+    )
     p.set_defaults(handler=run)
 
 

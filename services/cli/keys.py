@@ -40,6 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = actions.add_parser("add", help="make a key for a tenant; prints it once")
     _file_arguments(add)
     add.add_argument("--tenant", required=True, help="the tenant the key authenticates as")
+    add.add_argument("--admin", action="store_true", help="the key may also read /status (operators)")
     add.set_defaults(handler=add_key)
 
     show = actions.add_parser("list", help="the keys' IDs, tenants and creation times (no secrets)")
@@ -85,7 +86,9 @@ def add_key(args: argparse.Namespace) -> int:
     key_id, key = new_key()
     while key_id in taken:  # 48 random bits: practically never
         key_id, key = new_key()
-    record = KeyRecord(key_id=key_id, tenant=args.tenant, sha256=key_digest(key), created=now_iso())
+    record = KeyRecord(
+        key_id=key_id, tenant=args.tenant, sha256=key_digest(key), created=now_iso(), admin=args.admin
+    )
     write_keys_file(path, [*records, record])
     print(key)
     print(
@@ -98,13 +101,16 @@ def add_key(args: argparse.Namespace) -> int:
 def list_keys(args: argparse.Namespace) -> int:
     records = _records(keys_file(args))
     if args.json:
-        rows = [{"key_id": r.key_id, "tenant": r.tenant, "created": r.created} for r in records]
+        rows = [
+            {"key_id": r.key_id, "tenant": r.tenant, "created": r.created, "admin": r.admin} for r in records
+        ]
         print(json.dumps({"keys": rows}, indent=2))
         return 0
     widths = (max([6, *(len(r.key_id) for r in records)]), max([6, *(len(r.tenant) for r in records)]))
-    print(f"{'KEY ID':<{widths[0]}}  {'TENANT':<{widths[1]}}  CREATED")
+    print(f"{'KEY ID':<{widths[0]}}  {'TENANT':<{widths[1]}}  {'CREATED':<20}  ADMIN")
     for record in records:
-        print(f"{record.key_id:<{widths[0]}}  {record.tenant:<{widths[1]}}  {record.created}")
+        admin = "yes" if record.admin else ""
+        print(f"{record.key_id:<{widths[0]}}  {record.tenant:<{widths[1]}}  {record.created:<20}  {admin}")
     return 0
 
 

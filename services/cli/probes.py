@@ -46,7 +46,9 @@ class GrpcHealthCheck:
 def _channel(address: str, tls: TlsConfig | None, options: list[tuple[str, int]]) -> grpc.Channel:
     if tls is None or not grpc_tls.is_enabled(tls):
         return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, grpc_tls.sync_credentials(tls), options=options)
+    return grpc.secure_channel(
+        address, grpc_tls.sync_credentials(tls), options=grpc_tls.client_options(tls, options)
+    )
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     workers = [w.strip() for w in (args.workers or "").split(",") if w.strip()]
     discovery = discovery_from_args(args, workers)
-    configure_logging("router")
     cfg = load_config(args.config)
+    configure_logging("router", cfg.logging.for_service("router"))
     options = RouterOptions(
         args.host,
         args.port,

@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.worker.server import WorkerOptions, serve
 
-    configure_logging(f"worker:{args.name}")
     cfg = load_config(args.config)
+    configure_logging(f"worker:{args.name}", cfg.logging.for_service("worker"))
     if args.model:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.model})})
     if args.threads:

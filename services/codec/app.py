@@ -61,7 +61,7 @@ def create_app(
     for module in (openai_chat, openai_completions, routes_misc, routes_health):
         app.include_router(module.router)
     app.include_router(anthropic_messages.router)
-    install_responses(app)
+    install_responses(app, config.responses)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)  # added last: outermost

@@ -124,6 +124,12 @@ class CodecMetrics:
             ["protocol", "status"],
             registry=self.registry,
         )
+        self.response_store_errors = Counter(
+            "kvrelay_codec_response_store_errors_total",
+            "Stored-Responses store failures by operation (put: a finished response was not stored).",
+            ["operation"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "kvrelay_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=self.registry
         )

@@ -1,7 +1,8 @@
 """ASGI middleware: request IDs, the body-size limit, the last-resort 500, metrics and the access log.
 
 `RequestContextMiddleware` (outermost) gives every request an ID (a sane client `x-request-id`, else
-`req_<hex>`), puts it and a `RequestStats` in the scope state, adds `x-request-id` to every response,
+`req_<hex>`) and an inward ID that is always the server's own (`new_request_ids`), puts them and a
+`RequestStats` in the scope state, adds `x-request-id` to every response,
 turns an exception nothing else handled into a 500 in OpenAI's shape (logged with the ID, never
 leaked), and when the response is done records metrics and writes the request's one audit line (JSON,
 logger "kvrelay.access"): key ID, tenant, route, status, timings and token counts, never text. A
@@ -144,13 +145,15 @@ def _request_ids(scope: Scope) -> tuple[str, str]:
 
 
 def new_request_ids(given: str | None) -> tuple[str, str]:
-    """(the ID clients and logs see, the ID sent inward) for a client's `x-request-id` (or None). A
-    client's ID may repeat across requests, so the inward one gets a random suffix then; ours is unique
-    already. Shared with the public gRPC API (its `x-request-id` metadata)."""
+    """(the ID the client and the access log see, the ID sent inward) for a client's `x-request-id` (or
+    None). The inward ID is always generated here, `req_<24 hex digits>`: inward an ID names one stream,
+    and a client's may repeat, or be chosen to match another request's (the router and the workers refuse
+    an ID already in flight). A sane client ID is kept for the response header and the logs; without one,
+    both IDs are the generated one. Shared with the public gRPC API (its `x-request-id` metadata)."""
+    inward = f"req_{secrets.token_hex(12)}"
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
-        return given, f"{given}-{secrets.token_hex(4)}"
-    generated = f"req_{secrets.token_hex(12)}"
-    return generated, generated
+        return given, inward
+    return inward, inward
 
 
 def _header(scope: Scope, name: str) -> str | None:
@@ -170,18 +173,36 @@ def _content_length(scope: Scope) -> int | None:
 
 def _log_access(scope: Scope, stats: RequestStats, status: int) -> None:
     path = str(scope.get("path", ""))
-    log_access(stats, status, method=str(scope.get("method", "")), route=path, is_quiet=path in QUIET_PATHS)
+    inward = scope.get("state", {}).get("backend_request_id")
+    log_access(
+        stats,
+        status,
+        method=str(scope.get("method", "")),
+        route=path,
+        is_quiet=path in QUIET_PATHS,
+        inward_request_id=inward,
+    )
 
 
-def log_access(stats: RequestStats, status: int, *, method: str, route: str, is_quiet: bool = False) -> None:
+def log_access(
+    stats: RequestStats,
+    status: int,
+    *,
+    method: str,
+    route: str,
+    is_quiet: bool = False,
+    inward_request_id: str | None = None,
+) -> None:
     """One JSON audit line per request: who (key ID, tenant), what (route, status), timings and token
     counts, never text. The public gRPC API logs with it too (method "gRPC", route the full method name,
     status the HTTP-equivalent). `status` is the one the metrics count: a stream that ended badly after
-    its 200 logs 500 or 499, with `http_status` 200. The fields are listed in docs/admission.md."""
+    its 200 logs 500 or 499, with `http_status` 200. `inward_request_id` is the ID the router and the
+    workers log for it (the client's own ID is `request_id`). The fields are listed in docs/admission.md."""
     ttft = stats.ttft_s
     queue_wait = stats.queue_wait_s
     fields = {
         "request_id": stats.request_id,
+        "inward_request_id": inward_request_id,
         "key_id": stats.key_id,
         "tenant": stats.tenant_id,
         "method": method,

@@ -3,7 +3,8 @@
 GET /health    200 {"status": "ok"} while the process serves HTTP (liveness)
 GET /ready     200 only when the backend answers and its tokenizer fingerprint equals ours, else 503
 GET /version   kvrelay's version, the model name and both sides' fingerprints
-GET /status    {"services": [codec, router, workers...]}, each with load and KV-cache counters
+GET /status    {"services": [codec, router, workers...]}, each with load and KV-cache counters; with API
+               keys configured, only for an admin key (403 otherwise): it names internal addresses
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.codec.admission.tenancy import tenant_of
 from services.codec.backend.protocol import BackendUnavailableError, ServiceStatus
 from services.codec.state import CodecState, codec_state
 
@@ -64,6 +67,8 @@ async def version_info(request: Request) -> JSONResponse:
 @router.get("/status")
 async def status(request: Request) -> JSONResponse:
     state = codec_state(request)
+    if not request.app.state.authenticator.is_open and not tenant_of(request).is_admin:
+        raise StarletteHTTPException(403, "/status needs an admin key (`kvrelay keys add --admin`)")
     codec = await _codec_status(state)
     try:
         behind = await state.backend.statuses()

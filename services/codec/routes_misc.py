@@ -4,6 +4,8 @@ GET  /v1/models, /v1/models/{model}   the one served model
 POST /tokenize     {model?, prompt, add_special_tokens?} or {model?, messages, add_generation_prompt?}
                    → {count, max_model_len, tokens}; the IDs a request with that input would use
 POST /detokenize   {model?, tokens} → {prompt}
+                   Both need a key (as every route but probes and scrapes) and count as a request
+                   against the tenant's and the global requests per minute (a 429 past them).
 GET  /metrics      this app's registry
 """
 
@@ -13,7 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.codec.admission.tenancy import tenant_of
 from services.codec.backend.protocol import BackendUnavailableError
 from services.codec.protocols.request_body import parse_schema, read_json_object
 from services.codec.protocols.schemas.tokenize import (
@@ -22,7 +26,7 @@ from services.codec.protocols.schemas.tokenize import (
     TokenizeTextRequest,
 )
 from services.codec.state import CodecState, codec_state
-from services.codec.text.prompts import check_token_ids, encode_chat, encode_text
+from services.codec.text.prompts import check_token_ids
 
 OWNER = "kvrelay"
 
@@ -44,25 +48,20 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
 @router.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
     state = codec_state(request)
+    await state.gate.charge_request(tenant_of(request).tenant_id)
     data = await read_json_object(request)
     if "messages" in data:
         chat = parse_schema(TokenizeChatRequest, data)
         state.check_model(chat.model)
         template = state.require_chat_template()
         messages = chat.template_messages()
-        token_ids = encode_chat(
-            template,
-            state.tokenizer,
-            messages,
-            state.metrics,
-            add_generation_prompt=chat.add_generation_prompt,
+        token_ids = await state.encoder.chat(
+            template, messages, add_generation_prompt=chat.add_generation_prompt
         )
     else:
         text = parse_schema(TokenizeTextRequest, data)
         state.check_model(text.model)
-        token_ids = encode_text(
-            state.tokenizer, text.prompt, state.metrics, add_special_tokens=text.add_special_tokens
-        )
+        token_ids = await state.encoder.text(text.prompt, add_special_tokens=text.add_special_tokens)
     max_model_len = await _max_model_len(state)
     return JSONResponse({"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids})
 
@@ -70,6 +69,7 @@ async def tokenize(request: Request) -> JSONResponse:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
     state = codec_state(request)
+    await state.gate.charge_request(tenant_of(request).tenant_id)
     body = parse_schema(DetokenizeRequest, await read_json_object(request))
     state.check_model(body.model)
     token_ids = check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
@@ -80,7 +80,10 @@ async def detokenize(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body, content_type = codec_state(request).metrics.render()
+    state = codec_state(request)
+    if state.config.server.metrics_port is not None:  # served on its own port (server.py)
+        raise StarletteHTTPException(404, "Not Found")
+    body, content_type = state.metrics.render()
     return Response(body, media_type=content_type)
 
 

@@ -3,7 +3,10 @@ with a gRPC port, the public gRPC API (grpc_public/server.py) on the same event 
 
 The tokenizer directory is checked against its manifest (tokenizer scope) first, so the fingerprints
 the codec reports are those of the files it actually loaded. The API keys file (auth.keys_file) is
-loaded before serving, once for HTTP and gRPC; without one the codec logs that it runs in open mode.
+loaded before serving, once for HTTP and gRPC; without one the codec runs in open mode, which it logs and
+which it refuses on a non-loopback address unless auth.allow_open is set. With server.metrics_port,
+/metrics is served there (and not on the API port). Past server.max_connections open connections,
+uvicorn answers 503 before any work.
 On SIGTERM/SIGINT, HTTP and gRPC drain together (each for up to the grace period), then the backend
 closes. With `tracing.otlp_endpoint` set, spans go out as service `<prefix>-codec`, and the ones still
 buffered are exported on the way out.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import math
 import socket
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import start_http_server
 
 from services.codec.admission.auth import Authenticator
 from services.codec.app import create_app
@@ -29,6 +34,7 @@ from services.codec.state import CodecIdentity
 from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
 from services.common.config import KvrelayConfig, TlsConfig, load_config
+from services.common.errors import ConfigError
 from services.common.logs import configure_logging
 from services.common.manifest import load_verified_manifest
 
@@ -78,8 +84,9 @@ class CodecServer(uvicorn.Server):
 
 
 async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
-    tokenizer, identity = load_tokenizer(options.model_dir, config)
     authenticator = Authenticator.from_config(config.auth)  # one key store for HTTP and gRPC
+    check_open_mode(authenticator, options.host, allow_open=config.auth.allow_open)
+    tokenizer, identity = load_tokenizer(options.model_dir, config)
     log_auth_mode(authenticator)
     public_grpc = (
         PublicGrpcServer(options.host, options.grpc_port, options.grace_s, authenticator)
@@ -102,13 +109,19 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         log_config=None,
         access_log=False,
         lifespan="on",
+        limit_concurrency=config.server.max_connections,  # past it: a 503 at once, no work done
     )
+    if config.server.metrics_port is not None:  # its own port: the API port answers /metrics with 404
+        start_http_server(
+            config.server.metrics_port, addr=options.host, registry=app.state.codec.metrics.registry
+        )
     logger.info(
         "codec serving",
         extra={
             "address": f"{options.host}:{options.port}",
             "grpc_address": public_grpc.address if public_grpc else None,
             "router": options.router_address,
+            "metrics_port": config.server.metrics_port,
             "model": identity.model_name,
             "tokenizer_fingerprint": identity.tokenizer_fingerprint,
         },
@@ -118,6 +131,26 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         await CodecServer(server_config, public_grpc).serve()
     finally:
         tracing.shutdown_tracing()  # export the spans still buffered
+
+
+def check_open_mode(authenticator: Authenticator, host: str, *, allow_open: bool) -> None:
+    """Open mode (no keys file) only on a loopback address, unless `auth.allow_open` says otherwise:
+    a codec bound where others can reach it would serve anyone as tenant "default"."""
+    if authenticator.store is not None or allow_open or is_loopback(host):
+        return
+    raise ConfigError(
+        f"refusing to serve without API keys on {host}, which other hosts can reach: set auth.keys_file "
+        "(`kvrelay keys add`), or auth.allow_open: true (KVRELAY_AUTH__ALLOW_OPEN=true) to serve anyone"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost may resolve anywhere
+        return False
 
 
 def log_auth_mode(authenticator: Authenticator) -> None:
@@ -133,8 +166,8 @@ def log_auth_mode(authenticator: Authenticator) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`kvrelay codec`: flags override the config's model path and server address."""
-    configure_logging("codec", args.log_level)
     config = load_config(args.config)
+    configure_logging("codec", args.log_level or config.logging.for_service("codec"))
     model_dir = Path(args.model or config.model.path)
     host = args.host or config.server.host
     port = args.port or config.server.port

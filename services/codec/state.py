@@ -24,6 +24,7 @@ from services.codec.errors import UnknownModelError
 from services.codec.generation import Generator
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.text.chat_template import ChatTemplate, chat_template_from_tokenizer
+from services.codec.text.prompts import PromptEncoder, default_workers
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.common.errors import ConfigError, InvalidRequestError
@@ -62,6 +63,7 @@ class CodecState:
     generator: Generator
     readiness: Readiness
     gate: Gate
+    encoder: PromptEncoder  # templates and tokenizes under the byte cap, off the event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -89,6 +91,12 @@ class CodecState:
             generator=generator,
             readiness=Readiness(backend, identity.tokenizer_fingerprint),
             gate=Gate.from_config(config, info, generator, limits_metrics, os.environ),
+            encoder=PromptEncoder(
+                tokenizer,
+                metrics,
+                max_bytes=config.limits.max_input_bytes,
+                workers=config.limits.prompt_workers or default_workers(),
+            ),
         )
 
     async def aclose(self) -> None:

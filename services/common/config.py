@@ -86,6 +86,12 @@ class LimitsConfig(_Section):
     concurrency_limit: int = Field(default=64, gt=0)
     queue_limit: int = Field(default=256, gt=0)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # A prompt's text (after the chat template) is refused over this many UTF-8 bytes before it is
+    # tokenized: 128 bytes per token of the default max_input_tokens.
+    max_input_bytes: int = Field(default=1024 * 1024, gt=0)
+    # Threads that render templates and tokenize, off the event loop; more requests wait their turn.
+    # None: the CPUs this process may use, at most 4.
+    prompt_workers: int | None = Field(default=None, gt=0, le=64)
     stream_send_timeout_ms: int = Field(default=30_000, gt=0)
 
 
@@ -105,6 +111,9 @@ class AuthConfig(_Section):
     # Prefix-cache salt: from the authenticated tenant, never from the request. Tenants listed in one
     # group share cached prefixes (and can observe each other's cache timing); others never do.
     shared_cache_groups: list[list[str]] = Field(default_factory=list)
+    # Open mode (no keys file) is for a laptop: on any address but a loopback one the codec refuses to
+    # start in it unless this is true (the chart's auth.allowOpen).
+    allow_open: bool = False
 
 
 class QuotasConfig(_Section):
@@ -112,7 +121,12 @@ class QuotasConfig(_Section):
 
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
-    fail_open: bool = True  # Redis down: admit (and count it), or refuse with 503
+    # Redis down: refuse with 503 (false), or admit against a per-process memory store at each limit
+    # divided by the codec replicas last seen alive in Redis (true). docs/admission.md.
+    fail_open: bool = True
+    # The replica count to divide by when no codec has yet been seen alive in Redis (it was down from the
+    # start); the chart sets the autoscaler's maximum, the conservative choice.
+    fallback_replicas: int = Field(default=1, ge=1)
     global_requests_per_minute: int | None = Field(default=None, gt=0)
     global_tokens_per_minute: int | None = Field(default=None, gt=0)
     default_requests_per_minute: int | None = Field(default=None, gt=0)
@@ -121,12 +135,41 @@ class QuotasConfig(_Section):
     tenants: dict[str, TenantQuota] = Field(default_factory=dict)
 
 
+class ResponsesConfig(_Section):
+    """Stored Responses (/v1/responses with store: true). No redis_url: one codec's memory."""
+
+    # Its own Redis database (the /N of the URL) so that flushing quotas never touches them; the chart
+    # puts them in database 1. rediss:// with ?ssl_ca_certs=... for TLS.
+    redis_url: str | None = None
+    key_prefix: str = Field(default="kvrelay:responses:", min_length=1, max_length=128)
+    ttl_s: int = Field(default=30 * 24 * 3600, gt=0)  # OpenAI keeps stored responses 30 days
+    max_per_tenant: int = Field(default=10_000, gt=0)  # the oldest beyond this are dropped
+    max_bytes_per_tenant: int = Field(default=256 * 1024 * 1024, gt=0)  # likewise, by stored size
+    socket_timeout_ms: int = Field(default=1000, gt=0)  # a silent Redis costs a request at most this
+
+
+class LoggingConfig(_Section):
+    """Log levels: `level` for every service, overridden per service (the --log-level flag wins)."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    codec: Literal["debug", "info", "warning", "error"] | None = None
+    router: Literal["debug", "info", "warning", "error"] | None = None
+    worker: Literal["debug", "info", "warning", "error"] | None = None
+
+    def for_service(self, service: Literal["codec", "router", "worker"]) -> str:
+        return getattr(self, service) or self.level
+
+
 class TlsConfig(_Section):
     """Mutual TLS on internal gRPC and the KV transfer; off unless all three files are set."""
 
     cert_file: str | None = None
     key_file: str | None = None
     ca_file: str | None = None
+    # The name clients check the server's certificate for, instead of the address they dial. In Kubernetes
+    # the router dials workers at pod IPs that no certificate can name: give every internal certificate
+    # one shared name (the chart's internalTls.serverName) and set it here.
+    server_name: str | None = Field(default=None, min_length=1, max_length=253)
 
 
 class DisaggregationConfig(_Section):
@@ -182,6 +225,10 @@ class TracingConfig(_Section):
 class ServerConfig(_Section):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
+    # /metrics on its own port (the chart's codec.metricsPort), off the API port; None: on the API port.
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    # Open HTTP connections at once; past it uvicorn answers 503 at once (no work, no queue).
+    max_connections: int = Field(default=1024, gt=0)
 
 
 class KvrelayConfig(_Section):
@@ -197,6 +244,8 @@ class KvrelayConfig(_Section):
     quotas: QuotasConfig = QuotasConfig()
     internal_tls: TlsConfig = TlsConfig()
     tracing: TracingConfig = TracingConfig()
+    responses: ResponsesConfig = ResponsesConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> KvrelayConfig:

@@ -4,6 +4,8 @@ Off unless `internal_tls.cert_file`, `key_file` and `ca_file` are all set (a par
 error). When on, every internal server asks for and verifies a client certificate signed by the CA,
 and every internal client presents its own certificate and verifies the server's against the same CA.
 The files are read when a server or channel is made; rotate them by restarting (or rolling) the pods.
+A client checks the server's certificate for the address it dials, or for `internal_tls.server_name`
+when that is set: the router reaches workers at pod IPs, which one shared name can stand in for.
 The internal bearer token stays required on top of TLS. The `torch` KV transport (gloo/NCCL) has no
 TLS of its own: with internal TLS on, use the `grpc` transport, or keep pods on a private network.
 """
@@ -58,8 +60,16 @@ def sync_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     )
 
 
+def client_options(tls: TlsConfig, options: ChannelOptions = ()) -> list[tuple[str, int | str]]:
+    """`options`, plus the name to check the server's certificate for when `internal_tls.server_name`
+    is set (the address dialled otherwise)."""
+    if tls.server_name is None:
+        return list(options)
+    return [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+
+
 def channel(address: str, tls: TlsConfig, options: ChannelOptions = ()) -> grpc.aio.Channel:
     """An async channel to an internal service, presenting our certificate when TLS is on."""
     if not is_enabled(tls):
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, sync_credentials(tls), options=list(options))
+    return grpc.aio.secure_channel(address, sync_credentials(tls), options=client_options(tls, options))

@@ -4,11 +4,12 @@
     -> header: the first token goes to the client at once  ->  KV chunks, each checked  ->  install
     -> continue with continuous batching beside the other streams.
 
-Any failure before the KV is installed (P unreachable or killed, a bad checksum, a wrong layout,
-fingerprint or chunk count, the transfer deadline) frees nothing the client can see: the reservation is
-turned into a local request over the prompt plus the first token if it already went out, which is a
-continuation of the same stream. Once installed, the request no longer depends on P. A client that goes
-away cancels this generator: the Prefill call is cancelled (P aborts) and the request is released here.
+Any failure before the KV is installed (P unreachable or killed, a bad checksum of the header or of a
+chunk, a wrong layout, fingerprint or chunk count, the transfer deadline) frees nothing the client can
+see: the reservation is turned into a local request over the prompt plus the first token if it already
+went out, which is a continuation of the same stream. Once installed, the request no longer depends on
+P. A client that goes away cancels this generator: the Prefill call is cancelled (P aborts) and the
+request is released here.
 
 The ipc transport has one more way out: a handle this replica cannot open (P is in another pod, sees
 another GPU, or has another /dev/shm) pulls the same KV again over grpc (P's prefix cache makes the
@@ -29,9 +30,15 @@ from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.common.outputs import FinishReason, TokenLogprob
-from services.common.proto_convert import FINISH_FROM_PROTO, logprob_from_proto, sampling_from_proto
+from services.common.proto_convert import FINISH_FROM_PROTO, EngineInput, logprob_from_proto
 from services.engine.async_engine import AsyncEngine
-from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, dtype_name
+from services.kvtransfer.chunks import (
+    KVAssembler,
+    KVTransferFault,
+    Layout,
+    check_header_checksum,
+    dtype_name,
+)
 from services.kvtransfer.ipc_transport import IpcUnavailable
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
@@ -87,19 +94,20 @@ class RemotePrefill:
     async def generate(
         self,
         request: pb.GenerateRequest,
-        request_id: str,
+        engine_input: EngineInput,
         time_remaining: float | None,
         trace: RequestTrace,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The request's stream, or nothing if this replica has no room to reserve (the caller then
-        runs it locally). `trace` gets the queue, kv_transfer and decode spans."""
-        params = sampling_from_proto(request.sampling)
+        runs it locally). `engine_input` holds the request's checked values. `trace` gets the queue,
+        kv_transfer and decode spans."""
+        request_id = engine_input.request_id
         num_skip = await self.engine.reserve_remote(
             request_id,
-            list(request.prompt_token_ids),
-            params,
-            priority=request.priority,
-            cache_salt=bytes(request.cache_salt),
+            engine_input.prompt_token_ids,
+            engine_input.params,
+            priority=engine_input.priority,
+            cache_salt=engine_input.cache_salt,
         )
         if num_skip is None:
             return
@@ -258,6 +266,7 @@ class RemotePrefill:
         if first.WhichOneof("item") != "header":
             raise KVTransferFault("the prefill stream did not start with a header")
         header = first.header
+        check_header_checksum(header)  # first: none of its fields is trusted before
         if header.model_fingerprint != self.model_fingerprint:
             raise KVTransferFault(f"KV from model {header.model_fingerprint!r}, not this replica's")
         check_header(header, request, self.vocab_size)

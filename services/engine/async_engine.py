@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from services.common.errors import DuplicateRequestError
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, RequestOutput
@@ -248,6 +249,8 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         self.core.validate(prompt_token_ids, params)
+        if request_id in self._streams:  # never take over a running request's stream
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         return stream

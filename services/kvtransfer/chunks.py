@@ -7,8 +7,11 @@ it lands, the decode side needs the whole prompt before its first step anyway (i
 layer), and the chunk count is independent of the model's depth. Chunks are sized near
 `TARGET_CHUNK_BYTES` so that one message stays well under gRPC's 4 MiB default and flow control paces them.
 
-`KVAssembler` on the decode side checks every promise of the header: chunk order, positions, sizes,
-checksums, and the total; any mismatch raises `KVTransferFault` and the decode replica recomputes.
+The header that precedes the chunks carries a CRC-32 of its own fields (`seal_header`), checked before
+anything else of it is read (`check_header_checksum`): the chunk CRCs cannot vouch for the counts and
+positions that say where the chunks go. `KVAssembler` on the decode side checks every promise of the
+header: chunk order, positions, sizes, checksums, and the total; any mismatch raises `KVTransferFault` and
+the decode replica recomputes.
 """
 
 from __future__ import annotations
@@ -98,6 +101,27 @@ def to_bytes(kv: torch.Tensor) -> bytes:
 
 def checksum(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def header_checksum(header: kvpb.PrefillHeader) -> int:
+    """The CRC-32 of the header's deterministic serialization with its `crc32` field unset: every field,
+    the first token's logprobs and fields this version does not know included."""
+    unsealed = kvpb.PrefillHeader()
+    unsealed.CopyFrom(header)
+    unsealed.ClearField("crc32")
+    return checksum(unsealed.SerializeToString(deterministic=True))
+
+
+def seal_header(header: kvpb.PrefillHeader) -> kvpb.PrefillHeader:
+    """Set the header's `crc32`, once every other field is final; returns the header."""
+    header.crc32 = header_checksum(header)
+    return header
+
+
+def check_header_checksum(header: kvpb.PrefillHeader) -> None:
+    """Raise KVTransferFault for a header whose fields changed after it was sealed (or never sealed)."""
+    if header.crc32 != header_checksum(header):
+        raise KVTransferFault("header checksum mismatch: the header changed after it was sealed")
 
 
 def from_bytes(data: bytes, layout: Layout, num_tokens: int) -> torch.Tensor:

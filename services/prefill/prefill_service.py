@@ -4,8 +4,13 @@ The decode replica that calls has already reserved blocks for the prompt. This s
 with another model or KV dtype (FAILED_PRECONDITION, before any work), runs the prompt through its own
 engine (chunked prefill and prefix caching as usual), and answers with one PrefillHeader and then the
 KV chunks of every prompt position from `num_skip_tokens` on. If the first token already ends the
-request, the header says so and no KV follows. A cancelled call (the decode side or the client went
-away, or the deadline passed) aborts the request here, so its blocks go back to the pool.
+request, the header says so and no KV follows. The header is sealed with a CRC-32 of its fields (the
+chunks carry their own). The request's values are range-checked first (INVALID_ARGUMENT), and a request
+ID this process's engine already runs is refused (ALREADY_EXISTS) without touching the running one; the
+ID is held only while the engine runs the prompt, so a decode replica that pulls the same KV again (the
+ipc transport's way out) is not refused by the call it has just cancelled. A cancelled call (the decode
+side or the client went away, or the deadline passed) aborts the request here, so its blocks go back to
+the pool.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from services.common import tracing
-from services.common.errors import InvalidRequestError
+from services.common.errors import DuplicateRequestError, InvalidRequestError
 from services.common.outputs import TokenLogprob
-from services.common.proto_convert import FINISH_TO_PROTO, logprob_to_proto, sampling_from_proto
+from services.common.proto_convert import (
+    FINISH_TO_PROTO,
+    EngineInput,
+    engine_input_from_proto,
+    logprob_to_proto,
+)
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.core import RequestOutput
-from services.kvtransfer.chunks import KVTransferFault, Layout, dtype_name, num_chunks
+from services.kvtransfer.chunks import KVTransferFault, Layout, dtype_name, num_chunks, seal_header
 from services.kvtransfer.transport import GrpcSender, KVSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
@@ -41,16 +51,25 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
         layout: Layout,
         counters: TransferCounters,
         senders: dict[str, KVSender] | None = None,
+        in_flight: set[str] | None = None,
     ) -> None:
+        """`in_flight`: the request IDs this process's engine runs now, shared with its Worker service."""
         self.engine = engine
         self.model_fingerprint = model_fingerprint
         self.layout = layout
         self.counters = counters
         self.senders: dict[str, KVSender] = senders if senders is not None else {"grpc": GrpcSender()}
+        self.vocab_size = engine.core.model_config.vocab_size
+        self.in_flight: set[str] = in_flight if in_flight is not None else set()
 
     async def Prefill(
         self, request: kvpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvpb.PrefillResponse]:
+        try:
+            engine_input = engine_input_from_proto(request, self.vocab_size)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc  # context.abort raises
         refusal = self._refusal(request)
         if refusal is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
@@ -71,7 +90,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
         )
         error: BaseException | None = None
         try:
-            output = await self._first_output(request)
+            output = await self._first_output(engine_input, request)
             if span.is_recording():
                 span.add_event("first_token", {"kvrelay.cached_tokens": output.num_cached_tokens})
             sender = self.senders[request.transport or "grpc"]
@@ -88,6 +107,9 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
         except InvalidRequestError as exc:
             error = exc
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DuplicateRequestError as exc:
+            error = exc
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except (EngineDeadError, KVTransferFault) as exc:
             error = exc
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -119,18 +141,27 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             return "num_skip_tokens must leave at least one prompt token"
         return None
 
-    async def _first_output(self, request: kvpb.PrefillRequest) -> RequestOutput:
-        stream = self.engine.generate(
-            request.request_id,
-            list(request.prompt_token_ids),
-            sampling_from_proto(request.sampling),
-            priority=request.priority,
-            cache_salt=bytes(request.cache_salt),
-            export_kv_from=request.num_skip_tokens,
-        )
-        async with contextlib.aclosing(stream):
-            async for output in stream:
-                return output
+    async def _first_output(self, engine_input: EngineInput, request: kvpb.PrefillRequest) -> RequestOutput:
+        """The engine's one output for the prompt (its first token and KV), under the request's ID held
+        in `in_flight` until then (DuplicateRequestError if another request holds it)."""
+        request_id = engine_input.request_id
+        if request_id in self.in_flight:
+            raise DuplicateRequestError(f"request {request_id!r} is already in flight")
+        self.in_flight.add(request_id)
+        try:
+            stream = self.engine.generate(
+                request_id,
+                engine_input.prompt_token_ids,
+                engine_input.params,
+                priority=engine_input.priority,
+                cache_salt=engine_input.cache_salt,
+                export_kv_from=request.num_skip_tokens,
+            )
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    return output
+        finally:
+            self.in_flight.discard(request_id)
         raise EngineDeadError("the engine ended the prefill without a token")
 
     def _header(
@@ -138,7 +169,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
     ) -> kvpb.PrefillHeader:
         first = output.logprobs[0] if output.logprobs else TokenLogprob(output.new_token_ids[0], 0.0)
         num_kv = 0 if output.kv is None else output.kv.kv.shape[1]
-        return kvpb.PrefillHeader(
+        header = kvpb.PrefillHeader(
             model_fingerprint=self.model_fingerprint,
             layout=self.layout.to_proto(),
             first_token=logprob_to_proto(first),
@@ -149,3 +180,4 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             num_kv_tokens=num_kv,
             num_chunks=num_chunks(request.num_skip_tokens, num_kv, self.layout, chunk_bytes),
         )
+        return seal_header(header)

@@ -4,7 +4,9 @@ Per request: hash the prompt's blocks once (with the tenant salt, as the replica
 replica's cached prefix from the prefix index; pick the decode replica (session affinity first, through
 consistent hashing with bounded load, else the configured policy); then decide whether a prefill
 replica runs the prompt (services/router/disaggregation.py). The decision and its reason go to the
-request's log line and to `decisions`. A request is retried on another replica only while no token has
+request's log line and to `decisions`. A malformed request ID or session key is refused, and so is an ID
+already being routed here (ALREADY_EXISTS: a second stream under one ID would be indistinguishable on the
+replica, in Abort and in the logs). A request is retried on another replica only while no token has
 gone out; the replica that failed is ejected. A client that goes away cancels the forwarded call, which
 aborts the request on the worker. With tracing on, the request's "route" span continues the codec's trace
 and is handed on to the decode replica in the forwarded call's metadata (docs/observability.md).
@@ -24,7 +26,9 @@ from opentelemetry.trace import Span, SpanKind
 
 from services.common import tracing
 from services.common.config import DisaggregationConfig, RouterConfig
+from services.common.errors import InvalidRequestError
 from services.common.grpc_auth import request_id_of
+from services.common.proto_convert import request_id_from_proto, session_key_from_proto
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.disaggregation import Decision, TransferModel, decide
@@ -84,6 +88,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         self.transfer_bytes_per_s = self.config.transfer_bytes_per_s
         self.requests_total = 0
         self.num_retries = 0
+        self.in_flight: set[str] = set()  # request IDs being routed now: one stream per ID
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self.route_reasons: collections.Counter[str] = collections.Counter()
 
@@ -172,8 +177,19 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Refuses a malformed request ID or session key (INVALID_ARGUMENT) and an ID already in flight
+        here (ALREADY_EXISTS) before routing: the running request keeps its stream and its replica."""
         self.requests_total += 1
-        request_id = request.request_id or request_id_of(context)
+        try:
+            request_id = request_id_from_proto(request.request_id or request_id_of(context))
+            session_key_from_proto(request.session_key)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc  # context.abort raises
+        if request_id in self.in_flight:
+            message = f"request {request_id!r} is already in flight"
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
+        self.in_flight.add(request_id)
         # The router's span of the request's trace (the codec's request span is its parent): the choice,
         # then the forwarded stream until its end. Never made current: this generator yields.
         span = tracing.start_span(
@@ -191,6 +207,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                     yield response
         finally:
             span.end()
+            self.in_flight.discard(request_id)
 
     async def _generate(
         self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext, span: Span

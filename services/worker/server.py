@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 LIVENESS_SERVICE = "kvrelay.liveness"
 STALL_SECONDS = 30.0  # no step for this long while work waits: the engine loop is stuck
+WARMUP_REQUEST_ID = "warmup"
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,16 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
     )
 
 
-async def warm_up(engine: AsyncEngine) -> None:
-    """One short generation, so the first real request does not pay for lazy initialisation."""
+async def warm_up(engine: AsyncEngine, in_flight: set[str]) -> None:
+    """One short generation, so the first real request does not pay for lazy initialisation. Its ID is
+    held in `in_flight` meanwhile: the server already listens."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    async for _ in engine.generate("warmup", list(range(1, 17)), params):
-        pass
+    in_flight.add(WARMUP_REQUEST_ID)
+    try:
+        async for _ in engine.generate(WARMUP_REQUEST_ID, list(range(1, 17)), params):
+            pass
+    finally:
+        in_flight.discard(WARMUP_REQUEST_ID)
 
 
 def _keep_torch_single_threaded_here() -> None:
@@ -135,19 +141,20 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
         timeout_s = config.disaggregation.transfer_timeout_ms / 1000
         fingerprint, tls = info.model_fingerprint, config.internal_tls
         remote = RemotePrefill(engine, fingerprint, layout, tokens, counters, timeout_s, receivers, tls)
-    service = WorkerService(engine, info, counters, remote)
+    in_flight: set[str] = set()  # request IDs the engine runs now, across the Worker and Prefill services
+    service = WorkerService(engine, info, counters, remote, in_flight)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     if options.role == "prefill":
-        prefill = PrefillService(engine, info.model_fingerprint, layout, counters, senders)
+        prefill = PrefillService(engine, info.model_fingerprint, layout, counters, senders, in_flight)
         kv_transfer_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{options.host}:{options.port}"
     add_port(server, address, config.internal_tls)
     await server.start()
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    await warm_up(engine)
+    await warm_up(engine, in_flight)
     service.ready = True
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("worker ready", extra={"address": address, "role": options.role, "worker": options.name})

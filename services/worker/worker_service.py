@@ -1,6 +1,8 @@
 """The internal Worker API over the engine: Generate streams token IDs, Abort, Info and Load.
 
 This is the colocated worker (prefill and decode in one engine); the disaggregated roles extend it.
+Generate range-checks the request's values (services/common/proto_convert.py) and refuses a request ID
+already in flight in this process with ALREADY_EXISTS, before the engine sees either.
 """
 
 from __future__ import annotations
@@ -8,14 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
 from services.common import tracing
-from services.common.errors import InvalidRequestError
+from services.common.errors import DuplicateRequestError, InvalidRequestError
 from services.common.grpc_auth import request_id_of
-from services.common.proto_convert import sampling_from_proto
+from services.common.proto_convert import EngineInput, engine_input_from_proto
 from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
@@ -34,39 +36,66 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         info: pb.InfoResponse,
         counters: TransferCounters | None = None,
         remote: RemotePrefill | None = None,
+        in_flight: set[str] | None = None,
     ) -> None:
         self.engine = engine
         self.info = info
         self.counters = counters or TransferCounters()
         self.remote = remote  # None: this replica never pulls KV (a prefill replica)
+        self.vocab_size = engine.core.model_config.vocab_size
+        # The request IDs this process runs now, shared with its Prefill service: the engine keeps one
+        # output stream per ID, so a second request under a live ID would take the first one's stream.
+        self.in_flight: set[str] = in_flight if in_flight is not None else set()
         self.requests_total = 0
         self.ready = False
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request.request_id or request_id_of(context)
-        started = time.monotonic()
+        """Checks the request's values (INVALID_ARGUMENT) and refuses an ID already in flight in this
+        process (ALREADY_EXISTS) before the engine sees either: the running request keeps its stream."""
         self.requests_total += 1
+        try:
+            engine_input = engine_input_from_proto(request, self.vocab_size, request_id_of(context))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc  # context.abort raises
+        request_id = engine_input.request_id
+        if request_id in self.in_flight:
+            message = f"request {request_id!r} is already in flight"
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
+        self.in_flight.add(request_id)
+        try:
+            responses = self._generate(request, engine_input, context)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+        finally:
+            self.in_flight.discard(request_id)
+
+    async def _generate(
+        self, request: pb.GenerateRequest, engine_input: EngineInput, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        request_id = engine_input.request_id
+        started = time.monotonic()
         num_tokens = 0
         trace = RequestTrace(
-            tracing.extract(context.invocation_metadata()), request_id, len(request.prompt_token_ids)
+            tracing.extract(context.invocation_metadata()), request_id, len(engine_input.prompt_token_ids)
         )
         error: BaseException | None = None
         try:
             if self._is_remote(request):
-                async for response in self._remote(request, request_id, context, trace):
+                async for response in self._remote(request, engine_input, context, trace):
                     num_tokens += len(response.token_ids)
                     yield response
                 if num_tokens:
                     return
-            params = sampling_from_proto(request.sampling)
             stream = self.engine.generate(
                 request_id,
-                list(request.prompt_token_ids),
-                params,
-                priority=request.priority,
-                cache_salt=bytes(request.cache_salt),
+                engine_input.prompt_token_ids,
+                engine_input.params,
+                priority=engine_input.priority,
+                cache_salt=engine_input.cache_salt,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -80,6 +109,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except InvalidRequestError as exc:
             error = exc
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DuplicateRequestError as exc:  # the engine still runs one under this ID
+            error = exc
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except EngineDeadError as exc:
             error = exc
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -89,7 +121,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 "generate done",
                 extra={
                     "request_id": request_id,
-                    "prompt_tokens": len(request.prompt_token_ids),
+                    "prompt_tokens": len(engine_input.prompt_token_ids),
                     "generated_tokens": num_tokens,
                     "seconds": round(time.monotonic() - started, 4),
                 },
@@ -102,13 +134,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _remote(
         self,
         request: pb.GenerateRequest,
-        request_id: str,
+        engine_input: EngineInput,
         context: grpc.aio.ServicerContext,
         trace: RequestTrace,
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self.remote is None:
             return
-        stream = self.remote.generate(request, request_id, context.time_remaining(), trace)
+        stream = self.remote.generate(request, engine_input, context.time_remaining(), trace)
         async with contextlib.aclosing(stream):
             async for response in stream:
                 yield response

@@ -1,10 +1,13 @@
 """Rendering deploy/helm/kvrelay with Helm (the helm-python-sdk package: Helm v4 as a library, no binary,
 no cluster, no network) and validating what it renders against the Kubernetes schemas.
 
-`render(values)` returns the rendered objects as dicts, in template order. `validate(obj)` checks one
-object against the OpenAPI-derived JSON schema that `kubernetes-validate` ships for KUBE_VERSION, in
-strict mode (an unknown field is an error); objects of kinds Kubernetes itself does not define (the
-Prometheus Operator's ServiceMonitor) are listed in CRD_KINDS and checked by the tests instead.
+`render(values)` returns the rendered objects as dicts, in template order, for `values` over BASE_VALUES
+(API keys from an existing Secret, which the chart requires unless auth.allowOpen): a test that sets
+`auth` replaces BASE_VALUES' `auth` whole, and `base=False` renders the chart's own defaults alone.
+`validate(obj)` checks one object against the OpenAPI-derived JSON schema that `kubernetes-validate`
+ships for KUBE_VERSION, in strict mode (an unknown field is an error); objects of kinds Kubernetes itself
+does not define (the Prometheus Operator's, cert-manager's) are listed in CRD_KINDS and checked by the
+tests instead.
 """
 
 from __future__ import annotations
@@ -27,22 +30,38 @@ ALERTS = REPO_ROOT / "deploy" / "prometheus" / "kvrelay-alerts.yaml"
 # validates against both.
 KUBE_VERSION = "1.33.0"
 MIN_KUBE_VERSION = "1.29.0"
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("cert-manager.io/v1", "Certificate"),
+}
 
 RELEASE = "kv"
 NAMESPACE = "serving"
 STAGES = ("codec", "router", "prefill", "decode")
+KEYS_SECRET = "kvrelay-api-keys"
+BASE_VALUES: dict[str, Any] = {"auth": {"existingSecret": KEYS_SECRET}}
+
+
+def with_base(values: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`values` over BASE_VALUES, top-level keys replaced whole."""
+    return {**BASE_VALUES, **(values or {})}
 
 
 def render(
-    values: Mapping[str, Any] | None = None, name: str = RELEASE, namespace: str = NAMESPACE
+    values: Mapping[str, Any] | None = None,
+    name: str = RELEASE,
+    namespace: str = NAMESPACE,
+    *,
+    base: bool = True,
 ) -> list[dict]:
     """Every object the chart renders for `values` (merged over values.yaml), as an install would."""
     import helm_python as helm
 
+    values = with_base(values) if base else dict(values or {})
     with helm.Chart.load(CHART_DIR) as chart:
-        chart.validate_schema(chart.merge_values(dict(values or {})))  # values.schema.json
-        manifests = chart.render(dict(values or {}), name=name, namespace=namespace, is_install=True)
+        chart.validate_schema(chart.merge_values(values))  # values.schema.json
+        manifests = chart.render(values, name=name, namespace=namespace, is_install=True)
     objects: list[dict] = []
     for path in sorted(manifests):
         if not path.endswith((".yaml", ".yml")):
@@ -55,7 +74,7 @@ def render_notes(values: Mapping[str, Any] | None = None) -> str:
     import helm_python as helm
 
     with helm.Chart.load(CHART_DIR) as chart:
-        manifests = chart.render(dict(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True)
+        manifests = chart.render(with_base(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
     return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
 
 
@@ -130,6 +149,11 @@ def env_of(ctr: Mapping[str, Any]) -> dict[str, dict]:
 def effective_config_env(ctr: Mapping[str, Any]) -> dict[str, str]:
     """The container's environment as `load_config` would see it (references to Secrets as a stand-in)."""
     return {k: e.get("value", "redis://from-a-secret:6379/0") for k, e in env_of(ctr).items()}
+
+
+def secret_env(ctr: Mapping[str, Any], name: str) -> dict[str, str]:
+    """The Secret and key an env entry of `ctr` comes from."""
+    return env_of(ctr)[name]["valueFrom"]["secretKeyRef"]
 
 
 def containers_of(obj: Mapping[str, Any]) -> Iterator[dict]:

@@ -198,13 +198,25 @@ def test_images_build_from_the_repository_dockerfiles(compose: dict) -> None:
         assert compose["services"][name]["image"].startswith(f"kvrelay-{dockerfile}:0.1.0")
 
 
+def codec_config(compose: dict) -> Any:
+    """The config the codec loads: the config file and its environment."""
+    env = {k: v for k, v in compose["services"]["codec"]["environment"].items() if k.startswith("KVRELAY_")}
+    return load_config(COMPOSE_DIR / compose["configs"]["kvrelay_config"]["file"], env)
+
+
 def test_config_file_is_valid(compose: dict) -> None:
-    config = compose["configs"]["kvrelay_config"]["file"]
-    cfg = load_config(COMPOSE_DIR / config, {"KVRELAY_QUOTAS__REDIS_URL": "redis://redis:6379/0"})
+    cfg = codec_config(compose)
     assert cfg.quotas.backend == "redis" and cfg.model.path == "/models/current"
-    codec_env = compose["services"]["codec"]["environment"]
-    assert (
-        codec_env["KVRELAY_QUOTAS__REDIS_URL"]
-        == codec_env["KVRELAY_RESPONSES_REDIS_URL"]
-        == "redis://redis:6379/0"
-    )
+    assert cfg.quotas.redis_url == "redis://redis:6379/0"
+    assert cfg.responses.redis_url == "redis://redis:6379/1"  # stored Responses in a database of their own
+
+
+def test_codec_on_every_address_in_its_container_says_open_mode_out_loud(compose: dict) -> None:
+    """The codec refuses open mode on a non-loopback address unless auth.allow_open: it binds 0.0.0.0
+    inside its container (published on 127.0.0.1 alone unless KVRELAY_BIND says otherwise)."""
+    args = build_parser().parse_args(compose["services"]["codec"]["command"])
+    cfg = codec_config(compose)
+    assert args.host == "0.0.0.0" and cfg.auth.keys_file is None
+    assert cfg.auth.allow_open is True
+    closed = interpolate(load(BASE), {"KVRELAY_ALLOW_OPEN": "false"})
+    assert codec_config(closed).auth.allow_open is False

@@ -1,6 +1,8 @@
-"""The Helm chart (deploy/helm/kvrelay), rendered by Helm itself for the default values and for several
-combinations, every object validated against the Kubernetes schemas, and the properties that matter
-checked: probes, RBAC, NetworkPolicies, resources, Secrets, draining, the model volume, scaling.
+"""The Helm chart (deploy/helm/kvrelay), rendered by Helm itself for the default values (with API keys,
+which the chart requires) and for several combinations, every object validated against the Kubernetes
+schemas, and the properties that matter checked: probes, RBAC, NetworkPolicies, resources, Secrets,
+draining, the model volume, scaling. test_helm_security.py covers auth, Redis and internal TLS,
+test_helm_egress.py the egress rules, test_helm_metrics_logs_quotas.py those settings.
 
 Rendering uses the helm-python-sdk package (Helm v4 as a library): no helm binary, no cluster, no
 network. tests/deploy/chart.py holds the rendering and validation helpers.
@@ -103,6 +105,20 @@ COMBOS: dict[str, dict[str, Any]] = {
         "paired": {"enabled": True, "gpu": {"dra": True}},
         "config": {"disaggregation": {"transport": "ipc"}},
     },
+    # everything secure at once: keys, Redis password and TLS, internal mTLS through cert-manager, tracing
+    "secure": {
+        "internalTls": {
+            "enabled": True,
+            "certManager": {"enabled": True, "issuerRef": {"name": "kvrelay-ca"}},
+        },
+        "redis": {"tls": {"enabled": True}},
+        "paired": {"enabled": True},
+        "gpu": {"enabled": False},
+        "config": {"tracing": {"otlp_endpoint": "http://otel-collector.monitoring:4317"}},
+        "logLevel": "warning",
+        "decode": {"logLevel": "debug"},
+    },
+    "open-mode": {"auth": {"allowOpen": True}},
     "fetched-model": {
         "model": {
             "fetch": {
@@ -210,6 +226,12 @@ def test_object_names_are_unique_per_kind(rendered: dict[str, list[dict]], combo
         ({"paired": {"prefill": {"gpuMemoryUtilization": 0}}}, "gpuMemoryUtilization"),
         ({"paired": {"gpu": {"apiVersion": "resource.k8s.io/v1alpha3"}}}, "apiVersion"),
         ({"paired": {"replica": 2}}, "replica"),
+        ({"auth": {"allowOpen": "yes"}}, "allowOpen"),
+        ({"codec": {"metricsPort": 70000}}, "metricsPort"),
+        ({"networkPolicy": {"egress": {"kubernetesApi": {"cidrs": ["10.0.0.1"]}}}}, "cidrs"),
+        ({"networkPolicy": {"extraEgress": {"prefill": []}}}, "prefill"),
+        ({"internalTls": {"certManager": {"issuer": "ca"}}}, "issuer"),
+        ({"redis": {"responsesKeyPrefix": ""}}, "responsesKeyPrefix"),
     ],
 )
 def test_values_schema_refuses_mistakes(values: dict, complaint: str) -> None:
@@ -239,7 +261,9 @@ def test_helm_lint_finds_nothing_to_warn_about() -> None:
     import helm_python as helm
 
     for values in COMBOS.values():
-        report = helm.lint(chart.CHART_DIR, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+        report = helm.lint(
+            chart.CHART_DIR, chart.with_base(values), strict=True, kube_version=f"v{KUBE_VERSION}"
+        )
         assert not report["errors"], report
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
 
@@ -398,7 +422,9 @@ def test_router_discovers_the_headless_worker_services(rendered: dict[str, list[
     assert arg_value(args, "--discovery") == "kubernetes"
     assert arg_value(args, "--namespace") == NAMESPACE
     # (Service, Deployment, container) behind each worker pool: one per stage, one per paired container
-    pools = [(s, s, container(objects, s)) for s in ("prefill", "decode") if s in stages_of(combo)]
+    pools: list[tuple[str, str, dict]] = [
+        (s, s, container(objects, s)) for s in ("prefill", "decode") if s in stages_of(combo)
+    ]
     if is_paired(combo):
         pools += [(f"paired-{r}", "paired", paired_container(objects, r)) for r in ("prefill", "decode")]
     # the EndpointSlice controller labels each slice with its Service's name
@@ -443,7 +469,7 @@ def test_network_policy_matrix(rendered: dict[str, list[dict]], combo: str) -> N
     p = pods(objects)
     torch_transport = combo == "gpu"
 
-    def may(src: str, dst: str, port: str) -> bool:
+    def may(src: str, dst: str, port: int | str) -> bool:
         return allowed(policies, p[src], p[dst], port)
 
     # the codec is public (no codecFrom): anyone may reach its HTTP and gRPC ports
@@ -559,31 +585,30 @@ def test_internal_token_comes_from_a_secret_file(rendered: dict[str, list[dict]]
         assert path.endswith("/" + key)
         mount = next(m for m in container(objects, stage)["volumeMounts"] if m["name"] == volume["name"])
         assert mount["readOnly"] is True and "subPath" not in mount  # subPath would freeze rotations
-    secrets = find(objects, "Secret")
+    secrets = find(objects, "Secret", expected)
     if combo == "everything":
         assert not secrets  # referenced, never created
     else:
         (secret,) = secrets
-        assert secret["metadata"]["name"] == expected
         assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert len(secret["data"]["token"]) >= 48
 
 
-def test_api_keys_come_from_a_secret(rendered: dict[str, list[dict]]) -> None:
-    objects = rendered["everything"]
+@pytest.mark.parametrize("combo", ["default", "everything"])
+def test_api_keys_come_from_a_secret(rendered: dict[str, list[dict]], combo: str) -> None:
+    objects = rendered[combo]
     config = yaml.safe_load(chart.config_yaml(objects))
     keys_file = config["auth"]["keys_file"]
     volume = mount_source(objects, "codec", keys_file)
-    assert volume["secret"]["secretName"] == "kvrelay-api-keys"
+    assert volume["secret"]["secretName"] == chart.KEYS_SECRET
     assert keys_file.endswith("/keys.yaml")
-    assert "auth" not in yaml.safe_load(chart.config_yaml(rendered["default"]))  # open mode
-    assert "open mode" in chart.render_notes()
+    assert "allow_open" not in config["auth"]
 
 
 def test_external_redis_url_comes_from_a_secret(rendered: dict[str, list[dict]]) -> None:
     objects = rendered["external-redis-secret"]
     env = env_of(container(objects, "codec"))
-    for name in ("KVRELAY_QUOTAS__REDIS_URL", "KVRELAY_RESPONSES_REDIS_URL"):
+    for name in ("KVRELAY_QUOTAS__REDIS_URL", "KVRELAY_RESPONSES__REDIS_URL"):
         assert env[name]["valueFrom"] == {"secretKeyRef": {"name": "kvrelay-redis", "key": "url"}}
         assert "value" not in env[name]
     assert not [d for d in find(objects, "Deployment") if "redis" in d["metadata"]["name"]]
@@ -593,9 +618,12 @@ def test_external_redis_url_comes_from_a_secret(rendered: dict[str, list[dict]])
 def test_bundled_and_plain_external_redis(rendered: dict[str, list[dict]]) -> None:
     bundled = env_of(container(rendered["default"], "codec"))
     svc = one(rendered["default"], "Service", fullname("redis"))
-    assert bundled["KVRELAY_QUOTAS__REDIS_URL"]["value"] == f"redis://{svc['metadata']['name']}:6379/0"
+    url = f"redis://:$(REDIS_PASSWORD)@{svc['metadata']['name']}:6379"
+    assert bundled["KVRELAY_QUOTAS__REDIS_URL"]["value"] == f"{url}/0"
+    assert bundled["KVRELAY_RESPONSES__REDIS_URL"]["value"] == f"{url}/1"  # a database of its own
     plain = env_of(container(rendered["external-redis-url"], "codec"))
-    assert plain["KVRELAY_RESPONSES_REDIS_URL"]["value"] == "redis://redis.shared:6379/3"
+    assert plain["KVRELAY_RESPONSES__REDIS_URL"]["value"] == "redis://redis.shared:6379/3"
+    assert "REDIS_PASSWORD" not in plain
     none = env_of(container(rendered["colocated-no-redis"], "codec"))
     assert "KVRELAY_QUOTAS__REDIS_URL" not in none
     assert "quotas" not in yaml.safe_load(chart.config_yaml(rendered["colocated-no-redis"]))
@@ -752,19 +780,15 @@ def test_service_monitor(rendered: dict[str, list[dict]]) -> None:
     (sm,) = find(rendered["everything"], "ServiceMonitor")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "prometheus"
-    assert {(e["port"], e["path"]) for e in sm["spec"]["endpoints"]} == {
-        ("http", "/metrics"),
-        ("metrics", "/metrics"),
-    }
+    # the codec's /metrics is on its metrics port (codec.metricsPort), like everyone else's
+    assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [("metrics", "/metrics")]
     selected = [
         s
         for s in find(rendered["everything"], "Service")
         if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
     ]
     scraped = {
-        s["metadata"]["name"]
-        for s in selected
-        if {p["name"] for p in s["spec"]["ports"]} & {"http", "metrics"}
+        s["metadata"]["name"] for s in selected if "metrics" in {p["name"] for p in s["spec"]["ports"]}
     }
     assert scraped == {fullname(s) for s in chart.STAGES}
     assert not find(rendered["default"], "ServiceMonitor")

@@ -1,31 +1,40 @@
 """The chart's containers, run for real: each rendered container's command, arguments and environment
 start the real `kvrelay` CLI here, and the probes the chart declares for it answer healthy.
 
-The chart is rendered (CPU workers, one thread each, the model fingerprint pinned) and the codec,
-router, prefill and decode Deployments' containers, and their verify-model init containers, run as
-local processes. Only what a pod gets from its surroundings is substituted, each in one place below:
+The chart is rendered (CPU workers, one thread each, the model fingerprint pinned, API keys from a
+Secret) and the codec, router, prefill, decode and Redis Deployments' containers, and the verify-model
+init containers, run as local processes. Only what a pod gets from its surroundings is substituted, each
+in one place below:
 
 - volumes: each volumeMount's mountPath becomes a local directory with what the volume would hold:
-  the ConfigMap's config.yaml, the internal-token Secret's file (a fresh token), the model volume (the
-  prepared model's parent directory, so /models/<model.version> is models/<model.version>), /tmp;
-- listen addresses: `--host 0.0.0.0` becomes 127.0.0.1, and each declared containerPort (in the
-  arguments and the probes) a free loopback port of its own per pod;
-- cluster DNS: `<service>:<port>` and redis://<service>:<port> become the loopback port of the pod the
-  Service targets (Redis: a redis-server started here when one is installed);
+  the ConfigMap's config.yaml (the mount paths it names made local for the pod), the internal-token
+  Secret's file (a fresh token), the API keys Secret's keys file (made here by `kvrelay keys add`), the
+  model volume (the prepared model's parent directory, so /models/<model.version> is
+  models/<model.version>), /tmp and Redis's /data;
+- env from Secrets: the value the rendered Secret holds (the Redis password the chart generated), and
+  `$(VAR)` in env values and arguments expanded from the env defined before it, as the kubelet does;
+- listen addresses: `--host 0.0.0.0` becomes 127.0.0.1 (Redis gets `--bind 127.0.0.1`), and each
+  declared containerPort (in the arguments, in `*PORT` env values and in the probes) a free loopback
+  port of its own per pod;
+- cluster DNS: `<service>:<port>` and redis://[:password@]<service>:<port> become the loopback port of
+  the pod the Service targets;
 - the downward API: POD_NAME and POD_NAMESPACE get a pod name and the release namespace;
 - the image's entrypoints: `kvrelay` is this checkout's CLI (`python -m services.cli.main`),
-  `kvrelay-verify-model` is deploy/docker/kvrelay-verify-model, run by this Python;
+  `kvrelay-verify-model` is deploy/docker/kvrelay-verify-model, run by this Python, `redis-server` the
+  one installed here;
 - Kubernetes API access: the router keeps its `--discovery kubernetes --namespace --selector --port-name`
   flags and gets one more, `--kubeconfig`, naming the stand-in API server (tests/k8s_stand_in.py), which
   serves the worker Services' EndpointSlices as the EndpointSlice controller would (labelled with
   kubernetes.io/service-name, the Service's port name, the pods' addresses, ready).
 
 Then every startup probe must pass, then every readiness and liveness probe, a chat completion must go
-through the codec, and SIGTERM must stop every process cleanly.
+through the codec with an API key (and be refused without one), every metrics port must serve, and
+SIGTERM must stop every process cleanly.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -35,6 +44,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,10 +53,11 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy import chart
-from tests.deploy.chart import NAMESPACE, deployment, find, fullname, one
+from tests.deploy.chart import KEYS_SECRET, NAMESPACE, deployment, find, fullname, one
 from tests.k8s_stand_in import K8sStandIn
 from tests.stack_helpers import REPO_ROOT, free_port
 
@@ -54,9 +65,11 @@ pytestmark = pytest.mark.model
 
 START_TIMEOUT_S = 75.0
 CLI = [sys.executable, "-m", "services.cli.main"]
+REDIS_SERVER = shutil.which("redis-server")
 ENTRYPOINTS = {
     "kvrelay": CLI,
     "kvrelay-verify-model": [sys.executable, str(REPO_ROOT / "deploy" / "docker" / "kvrelay-verify-model")],
+    "redis-server": [REDIS_SERVER or "redis-server"],
 }
 
 
@@ -67,7 +80,8 @@ def run_values(model_dir: Path) -> dict[str, Any]:
         "model": {"version": model_dir.name, "fingerprint": fingerprint},
         "prefill": {"threads": 1, "replicas": 1},
         "decode": {"threads": 1, "replicas": 1},
-        "config": {"engine": {"kv_cache_memory_mb": 512}},
+        # a limit, so each request is counted in the bundled Redis (fail-closed: a wrong password is a 503)
+        "config": {"engine": {"kv_cache_memory_mb": 512}, "quotas": {"default_requests_per_minute": 600}},
     }
 
 
@@ -108,9 +122,8 @@ class Cluster:
         self.model_dir = model_dir
         self.root = root
         self.token = "rendered-commands-token"
+        self.api_key, self.keys_file = make_api_key(root)
         self.pods: dict[str, LocalPod] = {}
-        self.redis: subprocess.Popen | None = None
-        self.redis_port = free_port()
         self.api = K8sStandIn().start()
         self.stopped = False
         self.kubeconfig = self.api.write_kubeconfig(root / "kubeconfig", NAMESPACE)
@@ -120,19 +133,19 @@ class Cluster:
     def volume_dir(self, pod: LocalPod, volume: dict) -> Path | None:
         """A local directory holding what this pod volume would hold; None for ones not needed here."""
         name = volume["name"]
-        if "configMap" in volume:
-            cm = one(self.objects, "ConfigMap", volume["configMap"]["name"])
-            path = self.root / "volumes" / name
+        if "configMap" in volume:  # written by make_pod, once every mount of the pod is known
+            path = pod.workdir / "volumes" / name
             path.mkdir(parents=True, exist_ok=True)
-            for key, text in cm["data"].items():
-                (path / key).write_text(text)
             return path
         if "secret" in volume:
-            assert volume["secret"]["secretName"] == chart.fullname("internal-token"), volume
-            (secret,) = find(self.objects, "Secret")  # the chart-made token Secret
             path = self.root / "volumes" / name
             path.mkdir(parents=True, exist_ok=True)
-            for key in secret["data"]:
+            secret_name = volume["secret"]["secretName"]
+            if secret_name == KEYS_SECRET:  # an existing Secret: what `kvrelay keys add` wrote
+                shutil.copy(self.keys_file, path / chart.BASE_VALUES["auth"].get("key", "keys.yaml"))
+                return path
+            assert secret_name == chart.fullname("internal-token"), volume
+            for key in one(self.objects, "Secret", secret_name)["data"]:
                 (path / key).write_text(self.token)
             return path
         if name == "model":
@@ -158,15 +171,32 @@ class Cluster:
                     pod.mounts[mount["mountPath"]] = local
             for port in ctr.get("ports") or []:
                 pod.ports.setdefault(port["containerPort"], free_port())
+        for volume in volumes.values():
+            if "configMap" in volume:
+                self.write_config_map(pod, volume)
         self.pods[stage] = pod
         return pod
+
+    def write_config_map(self, pod: LocalPod, volume: dict) -> None:
+        """The ConfigMap's files, each YAML string naming a path under a mount made local for `pod`."""
+
+        def local(node: Any) -> Any:
+            if isinstance(node, dict):
+                return {k: local(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [local(v) for v in node]
+            return self.localize(pod, node) if isinstance(node, str) else node
+
+        cm = one(self.objects, "ConfigMap", volume["configMap"]["name"])
+        for key, text in cm["data"].items():
+            (pod.workdir / "volumes" / volume["name"] / key).write_text(
+                yaml.safe_dump(local(yaml.safe_load(text)))
+            )
 
     # -- Services ------------------------------------------------------------------------------------
 
     def service_address(self, service: str, port: int) -> str:
         """`<service>:<port>` as the loopback address of the pod behind it."""
-        if service == chart.fullname("redis"):
-            return f"127.0.0.1:{self.redis_port}"
         svc = one(self.objects, "Service", service)
         svc_port = next(p for p in svc["spec"]["ports"] if p["port"] == port)
         pod = next(
@@ -185,7 +215,7 @@ class Cluster:
             if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                 return str(local) + value[len(mount_path.rstrip("/")) :]
         services = {s["metadata"]["name"] for s in find(self.objects, "Service")}
-        match = re.fullmatch(r"(redis://)?([a-z0-9-]+):(\d+)(/.*)?", value)
+        match = re.fullmatch(r"(rediss?://(?:[^@/]*@)?)?([a-z0-9-]+):(\d+)(/.*)?", value)
         if match and match.group(2) in services:
             address = self.service_address(match.group(2), int(match.group(3)))
             return f"{match.group(1) or ''}{address}{match.group(4) or ''}"
@@ -193,30 +223,45 @@ class Cluster:
 
     # -- commands ------------------------------------------------------------------------------------
 
+    def secret_value(self, name: str, key: str) -> str:
+        """A key of a Secret the chart rendered (base64 in `data`)."""
+        return base64.b64decode(one(self.objects, "Secret", name)["data"][key]).decode()
+
     def environment(self, pod: LocalPod, ctr: dict) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
         env["PYTHONUNBUFFERED"] = "1"
+        defined: dict[str, str] = {}  # the container's own env so far: what $(VAR) may name
         for item in ctr.get("env") or []:
             if "value" in item:
-                env[item["name"]] = self.localize(pod, item["value"])
-                continue
-            field_path = item["valueFrom"]["fieldRef"]["fieldPath"]
-            env[item["name"]] = {"metadata.name": pod.name, "metadata.namespace": NAMESPACE}[field_path]
-        return env
+                value = expand(item["value"], defined)
+                if item["name"].endswith("PORT") and value.isdigit() and int(value) in pod.ports:
+                    value = str(pod.ports[int(value)])  # a declared containerPort, made a free port
+                defined[item["name"]] = self.localize(pod, value)
+            elif "secretKeyRef" in item["valueFrom"]:
+                ref = item["valueFrom"]["secretKeyRef"]
+                defined[item["name"]] = self.secret_value(ref["name"], ref["key"])
+            else:
+                field_path = item["valueFrom"]["fieldRef"]["fieldPath"]
+                defined[item["name"]] = {"metadata.name": pod.name, "metadata.namespace": NAMESPACE}[
+                    field_path
+                ]
+        return {**env, **defined}
 
     def command(self, pod: LocalPod, ctr: dict, env: dict[str, str]) -> list[str]:
-        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in ctr.get("args") or []]
+        args = [expand(a, env) for a in ctr.get("args") or []]
         out: list[str] = []
         for i, arg in enumerate(args):
             previous = args[i - 1] if i else ""
             if previous == "--host" and arg == "0.0.0.0":
                 out.append("127.0.0.1")
-            elif previous.startswith("--") and previous.endswith("port") and arg.isdigit():
+            elif previous.startswith("--") and previous.endswith("port") and arg.isdigit() and int(arg):
                 out.append(str(pod.ports[int(arg)]))  # a declared containerPort, made a free port
             else:
                 out.append(self.localize(pod, arg))
         if "--discovery" in out and out[out.index("--discovery") + 1] == "kubernetes":
             out += ["--kubeconfig", str(self.kubeconfig)]  # in-cluster credentials -> the stand-in
+        if ctr["command"] == ["redis-server"]:
+            out += ["--bind", "127.0.0.1"]  # it listens on every address in the pod
         return ENTRYPOINTS[ctr["command"][0]] + ctr["command"][1:] + out
 
     def run_init_containers(self, pod: LocalPod) -> None:
@@ -269,33 +314,13 @@ class Cluster:
                 namespace=NAMESPACE,
             )
 
-    def start_redis(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            return  # the codec connects lazily: its probes do not need Redis
-        self.redis = subprocess.Popen(
-            [
-                server,
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
     def stop(self) -> dict[str, int | None]:
         """SIGTERM every process (front to back), wait for each, then stop Redis and the API server."""
         codes: dict[str, int | None] = {}
         if self.stopped:
             return codes
         self.stopped = True
-        for stage in ("codec", "router", "decode", "prefill"):  # front to back, as a rollout would
+        for stage in ("codec", "router", "decode", "prefill", "redis"):  # front to back, as a rollout would
             pod = self.pods.get(stage)
             if pod is None or pod.proc is None:
                 continue
@@ -307,11 +332,26 @@ class Cluster:
                 os.killpg(pod.proc.pid, signal.SIGKILL)
                 pod.proc.wait()
                 codes[stage] = None
-        if self.redis is not None:
-            self.redis.terminate()
-            self.redis.wait(10)
         self.api.stop()
         return codes
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """$(VAR) as the kubelet expands it in env values and arguments: from `env`, else left as it is."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def make_api_key(root: Path) -> tuple[str, Path]:
+    """A keys file holding one key, made by `kvrelay keys add` as an operator would; the key."""
+    path = root / "api-keys" / "keys.yaml"
+    result = subprocess.run(
+        [*CLI, "keys", "add", "--tenant", "acme", "--file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return result.stdout.strip(), path
 
 
 # -- probes, as the kubelet runs them ------------------------------------------------------------------
@@ -364,9 +404,9 @@ def wait_probe(pod: LocalPod, kind: str, deadline: float) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    assert REDIS_SERVER is not None, "the bundled Redis runs as redis-server: install it (apt redis-server)"
     objects = chart.render(run_values(model_dir))
     running = Cluster(objects, model_dir, tmp_path_factory.mktemp("pods"))
-    running.start_redis()
     try:
         yield running
     finally:
@@ -375,13 +415,14 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_rendered_containers_run_and_answer_their_probes(cluster: Cluster) -> None:
     started = time.monotonic()
-    pods = {stage: cluster.make_pod(stage) for stage in ("prefill", "decode", "router", "codec")}
+    pods = {stage: cluster.make_pod(stage) for stage in ("redis", "prefill", "decode", "router", "codec")}
     for stage in ("codec", "decode"):  # tokenizer scope, model scope (prefill's is the same command)
         cluster.run_init_containers(pods[stage])
     cluster.publish_endpoint_slices()
     for pod in pods.values():
         cluster.start(pod)
     deadline = started + START_TIMEOUT_S
+    wait_probe(pods["redis"], "livenessProbe", deadline)  # its readiness probe is redis-cli's PING
     for stage in ("router", "codec", "prefill", "decode"):
         wait_probe(pods[stage], "startupProbe", deadline)
     for stage in ("prefill", "decode", "router", "codec"):  # readiness flows from the back to the front
@@ -401,18 +442,20 @@ def test_rendered_containers_run_and_answer_their_probes(cluster: Cluster) -> No
         "max_tokens": 4,
         "temperature": 0,
     }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{codec_port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
+    url = f"http://127.0.0.1:{codec_port}/v1/chat/completions"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(request, timeout=60) as response:
+    headers = {"content-type": "application/json"}
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the keys from the Secret are required
+        opener.open(urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers), timeout=60)
+    assert refused.value.code == 401
+    headers["authorization"] = f"Bearer {cluster.api_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    with opener.open(request, timeout=60) as response:  # quotas in the bundled Redis, behind its password
         reply = json.loads(response.read())
     assert reply["usage"]["completion_tokens"] >= 1
 
-    # every declared metrics port serves Prometheus text
-    for stage in ("router", "prefill", "decode"):
+    # every declared metrics port serves Prometheus text (the codec's too: off its API port)
+    for stage in ("codec", "router", "prefill", "decode"):
         ports = {p["name"]: p["containerPort"] for p in pods[stage].container["ports"]}
         with opener.open(f"http://127.0.0.1:{pods[stage].ports[ports['metrics']]}/metrics", timeout=5) as r:
             assert b"kvrelay_" in r.read()
@@ -421,6 +464,6 @@ def test_rendered_containers_run_and_answer_their_probes(cluster: Cluster) -> No
     # shutdown is done, so the codec ends "killed by SIGTERM" (exit 143 in a container) after finishing.
     codes = cluster.stop()
     logs = {s: p.log() for s, p in pods.items()}
-    assert codes == {"codec": codes["codec"], "router": 0, "decode": 0, "prefill": 0}, logs
+    assert codes == {"codec": codes["codec"], "router": 0, "decode": 0, "prefill": 0, "redis": 0}, logs
     assert codes["codec"] in (0, -signal.SIGTERM), logs["codec"]
     assert "Finished server process" in logs["codec"]

@@ -1,5 +1,7 @@
 """A decode worker facing a prefill replica that misbehaves: each fault is refused, the reservation is
 freed, and the request is recomputed locally (a continuation when the first token already went out).
+A header changed in flight after P sealed it (a first token still in the vocabulary, a chunk count still
+possible) fails its checksum before its first token goes out, so the whole request is recomputed.
 
 The decode worker is a real process on a tiny random-weight model; the misbehaving prefill replica is a
 fake gRPC server in this process (the seam: only the KV transfer protocol is faked). The fake always
@@ -28,7 +30,7 @@ import torch
 from services.common.manifest import load_verified_manifest
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
-from services.kvtransfer.chunks import Layout, checksum, to_bytes
+from services.kvtransfer.chunks import Layout, checksum, seal_header, to_bytes
 from services.kvtransfer.ipc_transport import kv_checksum, share
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
@@ -89,6 +91,11 @@ class FakePrefill(kv_transfer_pb2_grpc.PrefillServicer):
             num_kv_tokens=1 << 40 if fault == "huge_kv" else num_kv,  # a header D must not allocate for
             num_chunks=1 if fault != "block_count" else 2,
         )
+        seal_header(header)  # a lying P seals its lies; the faults below change the header in flight
+        if fault == "altered_first_token":  # still in the vocabulary: only the checksum tells
+            header.first_token.token_id = FIRST_TOKEN + 1
+        if fault == "altered_block_count":  # still a possible count: only the checksum tells
+            header.num_chunks = 2
         yield kvpb.PrefillResponse(header=header)
         if fault == "stall":  # hold the call open until the caller ends it
             ended = threading.Event()
@@ -226,7 +233,17 @@ def stall_outcomes(fake: FakePrefill, num_stalls: int) -> list[bool]:
     return fake.stalls_ended_by_caller
 
 
-@pytest.mark.parametrize("fault", ["fingerprint", "garbage", "huge_kv", "first_token_outside_vocab"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "fingerprint",
+        "garbage",
+        "huge_kv",
+        "first_token_outside_vocab",
+        "altered_first_token",
+        "altered_block_count",
+    ],
+)
 def test_fault_before_the_first_token_recomputes_the_whole_request(rig: Rig, fault: str) -> None:
     want, _ = run(rig, f"local-{fault}", remote=False)
     before = assert_idle(rig).prefill_fallbacks_total

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from services.common.errors import EmptyPromptError
+from services.common.errors import DuplicateRequestError, EmptyPromptError
 from services.common.outputs import FinishReason
 from services.common.sampling import SamplingParams
 from services.engine.async_engine import AsyncEngine
@@ -79,6 +79,20 @@ async def test_abort_by_id_ends_every_sample_of_the_open_stream() -> None:
         assert all(o.request_id == "x" for o in rest)
         await wait_for_stats(client, lambda s: s.kv_blocks.num_active == 0, "the blocks' return")
         assert client.stats().num_aborted == 1
+    finally:
+        client.shutdown()
+
+
+async def test_a_duplicate_id_is_refused_and_the_running_stream_keeps_its_tokens() -> None:
+    client = AsyncEngine(small_engine(step_seconds=0.001))
+    client.start()
+    try:
+        stream = client.generate("same", [4, 5, 6], GREEDY)
+        first = await anext(stream)
+        with pytest.raises(DuplicateRequestError):
+            await anext(client.generate("same", [7, 8, 9], GREEDY))
+        rest = [o async for o in stream]
+        assert len([first, *rest]) == 12 and rest[-1].finish_reason == FinishReason.LENGTH
     finally:
         client.shutdown()
 

@@ -308,20 +308,68 @@ async def test_reserved_gauges_return_to_zero() -> None:
     assert metrics.reserved_tokens._value.get() == 0
 
 
-async def test_redis_down_fails_open_admitting_and_counting() -> None:
+async def test_redis_down_from_the_start_fails_open_to_this_process_share_of_the_limits() -> None:
+    """No replica was ever seen alive: each limit is divided by quotas.fallback_replicas."""
     metrics = LimitsMetrics()
     store = RedisQuotaStore.from_url(BOGUS_REDIS_URL, key_prefix="{unused}:")
-    quotas = Quotas(config(backend="redis", fail_open=True, default_requests_per_minute=1), store, metrics)
+    cfg = config(backend="redis", fail_open=True, fallback_replicas=2, default_requests_per_minute=4)
+    quotas = Quotas(cfg, store, metrics)
     try:
-        reservations = [await quotas.reserve("a", 10) for _ in range(3)]  # over the limit, but unchecked
-        assert all(r.charges == () for r in reservations)
-        for r in reservations:
-            await quotas.settle(r, 5)  # nothing to correct: no store call
-        errors = metrics.store_errors.labels(operation="reserve", outcome="admitted")._value.get()
-        assert errors == 3
+        admitted = [await quotas.reserve("a", 10) for _ in range(2)]  # 4 per minute / 2 replicas
+        assert all(r.local and r.charges for r in admitted)
+        with pytest.raises(RateLimitedError) as caught:
+            await quotas.reserve("a", 10)
+        assert "limit 2" in str(caught.value)
+        await quotas.release(admitted[0])  # back to this process's store, not the dead one
+        await quotas.settle(admitted[1], 5)
+        assert metrics.store_errors.labels(operation="release", outcome="lost")._value.get() == 0
+        assert metrics.store_errors.labels(operation="settle", outcome="lost")._value.get() == 0
+        again = await quotas.reserve("a", 10)  # the released request came back
+        await quotas.release(again)
+        assert metrics.store_errors.labels(operation="reserve", outcome="fallback")._value.get() == 4
         assert metrics.open_reservations._value.get() == 0
     finally:
         await quotas.aclose()
+
+
+async def test_fail_open_divides_by_the_replicas_last_seen_alive_in_redis(redis_prefix: str) -> None:
+    """Three codec replicas beat into Redis; when it goes, each admits a third of the limit."""
+    clock = FakeClock(1000.0)
+    cfg = config(backend="redis", fail_open=True, fallback_replicas=10, default_requests_per_minute=9)
+    replicas = [
+        Quotas(
+            cfg, RedisQuotaStore.from_url(REDIS_URL, key_prefix=redis_prefix), LimitsMetrics(), clock=clock
+        )
+        for _ in range(3)
+    ]
+    try:
+        for quotas in replicas:
+            await quotas.release(await quotas.reserve("a", 1))
+        assert [q.replicas_seen for q in replicas] == [1, 2, 3]  # each saw those that beat before it
+        clock.now += 10.0  # the next heartbeat is due
+        first = replicas[0]
+        await first.release(await first.reserve("a", 1))
+        assert first.replicas_seen == 3
+        await first.store.aclose()
+        first.store = RedisQuotaStore.from_url(BOGUS_REDIS_URL, key_prefix=redis_prefix)
+        first.fallback = MemoryQuotaStore(clock=clock)
+        held = [await first.reserve("a", 1) for _ in range(3)]  # 9 / 3
+        with pytest.raises(RateLimitedError):
+            await first.reserve("a", 1)
+        for reservation in held:
+            await first.release(reservation)
+    finally:
+        for quotas in replicas:
+            await quotas.aclose()
+
+
+async def test_redis_down_with_a_memory_backend_has_no_share_to_compute() -> None:
+    """A memory store is never down; fail_open only matters over Redis (no fallback store here)."""
+    quotas = Quotas(
+        config(fail_open=True, default_requests_per_minute=1), MemoryQuotaStore(), LimitsMetrics()
+    )
+    assert quotas.fallback is None
+    await quotas.release(await quotas.reserve("a", 1))
 
 
 def counting_connection(attempts: list[str]) -> type[aioredis.Connection]:

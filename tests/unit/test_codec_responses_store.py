@@ -19,9 +19,10 @@ from services.codec.response_store import (
     RedisResponseStore,
     ResponseStore,
     StoredResponse,
-    store_from_env,
+    store_from_config,
 )
 from services.codec.text.tokenizer import Tokenizer
+from services.common.config import ResponsesConfig
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -98,25 +99,73 @@ async def test_redis_keys_expire_after_the_ttl(redis_prefix: str) -> None:
         await store.aclose()
 
 
-async def test_in_memory_entries_expire_and_the_oldest_are_evicted() -> None:
+async def test_in_memory_entries_expire() -> None:
     now = [0.0]
-    store = InMemoryResponseStore(ttl_s=10, max_entries=2, clock=lambda: now[0])
-    first, second, third = record(), record(), record()
-    for kept in (first, second, third):
-        await store.put("default", kept)
-    assert await store.get("default", first.response_id) is None  # evicted: over max_entries
-    assert await store.get("default", third.response_id) == third
+    store = InMemoryResponseStore(ttl_s=10, clock=lambda: now[0])
+    first, second = record(), record()
+    await store.put("default", first)
+    now[0] = 5.0
+    await store.put("default", second)
     now[0] = 10.0
-    assert await store.get("default", second.response_id) is None  # expired
+    assert await store.get("default", first.response_id) is None  # expired
+    assert await store.get("default", second.response_id) == second
     assert len(store) == 1
 
 
-async def test_store_from_env_picks_redis_only_when_the_url_is_set() -> None:
-    in_memory = store_from_env({})
+def capped(kind: str, prefix: str, *, max_entries: int, max_bytes: int) -> ResponseStore:
+    if kind == "memory":
+        return InMemoryResponseStore(max_entries=max_entries, max_bytes=max_bytes)
+    return RedisResponseStore.from_url(
+        REDIS_URL, ttl_s=TTL_S, key_prefix=prefix, max_entries=max_entries, max_bytes=max_bytes
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+async def test_each_tenant_keeps_at_most_its_count_and_its_oldest_go_first(
+    kind: str, redis_prefix: str
+) -> None:
+    store = capped(kind, redis_prefix, max_entries=2, max_bytes=1 << 20)
+    try:
+        flooder = [record() for _ in range(5)]
+        other = record()
+        await store.put("other", other)
+        for kept in flooder:
+            await store.put("flooder", kept)
+        found = [await store.get("flooder", kept.response_id) for kept in flooder]
+        assert found == [None, None, None, flooder[3], flooder[4]]
+        assert await store.get("other", other.response_id) == other  # untouched by the flood
+        assert await store.delete("flooder", flooder[4].response_id)
+        await store.put("flooder", record())  # room for one more without dropping flooder[3]
+        assert await store.get("flooder", flooder[3].response_id) == flooder[3]
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+async def test_each_tenant_keeps_at_most_its_bytes(kind: str, redis_prefix: str) -> None:
+    size = len(record("x" * 1000).to_json().encode())
+    store = capped(kind, redis_prefix, max_entries=100, max_bytes=3 * size)
+    try:
+        kept = [record("x" * 1000) for _ in range(5)]
+        for one in kept:
+            await store.put("t", one)
+        found = [await store.get("t", one.response_id) is not None for one in kept]
+        assert found == [False, False, True, True, True]
+    finally:
+        await store.aclose()
+
+
+async def test_store_from_config_picks_redis_only_when_a_url_is_set(redis_prefix: str) -> None:
+    in_memory = store_from_config(ResponsesConfig(), {})
     assert isinstance(in_memory, InMemoryResponseStore)
-    shared = store_from_env({REDIS_URL_ENV: REDIS_URL})
-    assert isinstance(shared, RedisResponseStore)
-    await shared.aclose()
+    for config, env in (
+        (ResponsesConfig(redis_url=REDIS_URL, key_prefix=redis_prefix), {}),
+        (ResponsesConfig(key_prefix=redis_prefix), {REDIS_URL_ENV: REDIS_URL}),  # the older variable
+    ):
+        shared = store_from_config(config, env)
+        assert isinstance(shared, RedisResponseStore)
+        assert shared.key("t", "resp_1").startswith(redis_prefix)
+        await shared.aclose()
 
 
 def codec_app(
@@ -174,5 +223,5 @@ def test_the_store_is_closed_when_the_app_shuts_down(model_dir: Path) -> None:
 def test_install_takes_the_store_it_is_given() -> None:
     app = FastAPI()
     store = InMemoryResponseStore()
-    install_responses(app, store)
+    install_responses(app, ResponsesConfig(), store)
     assert response_store(app) is store

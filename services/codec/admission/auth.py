@@ -1,7 +1,8 @@
 """API keys: who a request is for (docs/admission.md).
 
 A key looks like `kvr-<key_id>-<secret>`. The keys file (`auth.keys_file`, YAML or JSON) lists
-`keys: [{key_id, tenant, sha256, created}]`: the SHA-256 of each whole key, never the key itself.
+`keys: [{key_id, tenant, sha256, created, admin}]`: the SHA-256 of each whole key, never the key itself.
+An `admin` key may also read /status (internal addresses and load); with keys configured, no other may.
 `kvrelay keys add | list | revoke` (services/cli/keys.py) writes it.
 
 A request presents its key as `Authorization: Bearer <key>` (OpenAI's SDKs) or `x-api-key: <key>`
@@ -68,6 +69,7 @@ class KeyRecord(BaseModel):
     tenant: Annotated[str, StringConstraints(pattern=TENANT_PATTERN)]
     sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     created: str = ""
+    admin: bool = False  # may read /status (the stack's addresses and load), beside its tenant's API
 
 
 class KeysFile(BaseModel):
@@ -223,7 +225,12 @@ class KeyStore:
         self._entries = {
             record.key_id: _Entry(
                 bytes.fromhex(record.sha256),
-                Tenant(record.tenant, record.key_id, cache_salt(record.tenant, self._shared_groups)),
+                Tenant(
+                    record.tenant,
+                    record.key_id,
+                    cache_salt(record.tenant, self._shared_groups),
+                    is_admin=record.admin,
+                ),
             )
             for record in records
         }

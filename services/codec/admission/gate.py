@@ -2,6 +2,7 @@
 API alike), every refusal before any response byte:
 
     admit    context rules and sampling validation                    400 (the backend never sees it)
+    (entry)  requests per minute, before the body is parsed (HTTP)   429 + Retry-After (charge_request)
     start    quotas (quotas.py; tenant and global, per minute)       429 + Retry-After, nothing held
              a concurrency slot, in the fair queue (fair_queue.py)   503 (529 on /v1/messages) when full
              the backend, waiting for the first token
@@ -80,10 +81,13 @@ class SamplingSource(Protocol):
 class Lease:
     """A reservation and a slot, given back by `close` (idempotent, never raises, not cancellable)."""
 
-    def __init__(self, quotas: Quotas, reservation: Reservation, slot: Slot) -> None:
+    def __init__(
+        self, quotas: Quotas, reservation: Reservation, slot: Slot, request_charge: Reservation | None = None
+    ) -> None:
         self._quotas = quotas
         self.reservation = reservation
         self._slot = slot
+        self._request_charge = request_charge
         self._is_closed = False
 
     @property
@@ -100,6 +104,8 @@ class Lease:
             with anyio.CancelScope(shield=True):
                 if tokens_used is None:
                     await self._quotas.release(self.reservation)
+                    if self._request_charge is not None:
+                        await self._quotas.refund(self._request_charge)
                 else:
                     await self._quotas.settle(self.reservation, tokens_used)
         finally:
@@ -139,6 +145,17 @@ class Gate:
         limiter = FairLimiter(config.limits.concurrency_limit, config.limits.queue_limit, metrics)
         return cls(config, info, generator, quotas, limiter, metrics)
 
+    async def charge_request(self, tenant_id: str) -> Reservation:
+        """Counts one request against the tenant's and the global requests per minute (a 429 past them)
+        before any work is done for it: every HTTP generation route as it opens, before its body is
+        parsed, templated or tokenized (`start(..., request_charge=...)` then charges only its tokens),
+        and /tokenize, /detokenize and count_tokens. The charge is settled at once: a request refused for
+        what it asked (a 400) stays counted, its work was done; one the server could not serve (quota on
+        tokens, queue full, backend down) is refunded when its lease is given back."""
+        reservation = await self.quotas.reserve(tenant_id, 0, only="requests")
+        await self.quotas.settle(reservation, 0)
+        return reservation
+
     async def admit(
         self,
         stats: RequestStats,
@@ -174,7 +191,12 @@ class Gate:
         )
 
     async def start(
-        self, tenant_id: str, request: GenerationRequest, stats: RequestStats
+        self,
+        tenant_id: str,
+        request: GenerationRequest,
+        stats: RequestStats,
+        *,
+        request_charge: Reservation | None = None,
     ) -> GenerationStream:
         """Quotas (429), then a concurrency slot in the fair queue (503/529 when saturated), then the
         backend. The reservation is for prompt + n × max_tokens; it and the slot are given back when the
@@ -182,7 +204,7 @@ class Gate:
         sampling = request.sampling
         num_tokens = len(request.prompt_token_ids) + sampling.n * sampling.max_tokens
         with tracing.span("admission", attributes={"kvrelay.tenant": tenant_id}) as span:
-            lease = await self.enter(tenant_id, num_tokens, request.timeout_s)
+            lease = await self.enter(tenant_id, num_tokens, request.timeout_s, request_charge=request_charge)
             if lease.waited_s is not None:
                 span.set_attribute("kvrelay.queue_wait_ms", round(lease.waited_s * 1000, 3))
         try:
@@ -196,18 +218,35 @@ class Gate:
             await lease.close(None)  # does nothing when the failed stream's close already gave it back
             raise
 
-    async def enter(self, tenant: str, num_tokens: int, timeout_s: float | None) -> Lease:
-        """Reserves `num_tokens` (prompt + n × max_tokens) and a request for `tenant`, then waits for a
-        slot until `timeout_s`. Raises RateLimitedError, QuotaUnavailableError or OverloadedError,
-        holding nothing afterwards."""
-        reservation = await self.quotas.reserve(tenant, num_tokens)
+    async def enter(
+        self,
+        tenant: str,
+        num_tokens: int,
+        timeout_s: float | None,
+        *,
+        request_charge: Reservation | None = None,
+    ) -> Lease:
+        """Reserves `num_tokens` (prompt + n × max_tokens) and, unless `charge_request` already counted
+        it (`request_charge`), a request for `tenant`, then waits for a slot until `timeout_s`. Raises
+        RateLimitedError, QuotaUnavailableError or OverloadedError, holding nothing afterwards (a
+        `request_charge` refunded)."""
+        try:
+            reservation = await self.quotas.reserve(
+                tenant, num_tokens, "tokens" if request_charge is not None else None
+            )
+        except BaseException:
+            if request_charge is not None:
+                await self.quotas.refund(request_charge)
+            raise
         weight, cap = self.fairness_of(tenant)
         try:
             slot = await self.limiter.acquire(tenant, weight=weight, cap=cap, timeout_s=timeout_s)
         except BaseException:
             await self.quotas.release(reservation)  # shielded inside
+            if request_charge is not None:
+                await self.quotas.refund(request_charge)
             raise
-        return Lease(self.quotas, reservation, slot)
+        return Lease(self.quotas, reservation, slot, request_charge)
 
     def fairness_of(self, tenant: str) -> tuple[int, int | None]:
         """(weight in the fair queue, concurrency cap or None) from quotas.tenants, else the defaults."""

@@ -8,8 +8,10 @@
     kvrelay_quota_open_reservations                      quota reservations not yet settled or released
     kvrelay_quota_reserved_tokens                        tokens those reservations hold
     kvrelay_quota_store_errors_total{operation, outcome} the quota store (Redis) failed: operation
-                                                         reserve|settle|release, outcome admitted
-                                                         (fail open) | refused (fail closed) | lost
+                                                         reserve|settle|release, outcome fallback
+                                                         (fail open: this process's share) |
+                                                         admitted (nothing to check) | refused
+                                                         (fail closed) | lost
     kvrelay_step_timeouts_total                          requests aborted by limits.step_timeout_ms
 
 Tenant labels are bounded by the configured API keys (open mode has the one tenant "default").

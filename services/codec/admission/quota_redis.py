@@ -4,7 +4,9 @@ One script does check-and-charge over all counters atomically, with Redis's own 
 replicas with skewed clocks agree. Each counter is one hash `{b, c, p}` (bucket index, current,
 previous) that expires after two windows. All keys carry one hash tag, so the script also runs on a
 Redis Cluster (every counter on one shard). A Redis that does not answer within STORE_TIMEOUT_S is
-down (QuotaStoreUnavailableError; quotas.py decides what that means).
+down (QuotaStoreUnavailableError; quotas.py decides what that means). Each codec replica also beats
+into one sorted set (`heartbeat`), so every replica knows how many share the limits: quotas.py divides
+them by that count when Redis goes down and quotas fail open.
 """
 
 from __future__ import annotations
@@ -115,6 +117,20 @@ return {1, bucket}
 """
 
 
+# KEYS[1]: the sorted set of live codec replicas. ARGV[1]: this replica's ID, ARGV[2]: how long (ms) a
+# replica counts as alive after its last beat. Returns how many are alive, this one included.
+HEARTBEAT_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+return redis.call('ZCARD', KEYS[1])
+"""
+REPLICAS_KEY = "codecs"
+
+
 class RedisQuotaStore:
     """Counters in Redis, shared by codec replicas. Owns its client: `aclose` closes it.
 
@@ -133,6 +149,7 @@ class RedisQuotaStore:
     ) -> None:
         self._client = client
         self._script = client.register_script(QUOTA_SCRIPT)
+        self._heartbeat = client.register_script(HEARTBEAT_SCRIPT)
         self.key_prefix = key_prefix
         self._window_ms = max(1, round(window_s * 1000))
         self._retry_interval_s = retry_interval_s
@@ -193,6 +210,19 @@ class RedisQuotaStore:
         if deltas:
             args: list[str | int] = ["adjust", self._window_ms, bucket, *(d for _, d in deltas)]
             await self._call([name for name, _ in deltas], args)
+
+    async def heartbeat(self, replica_id: str, alive_s: float) -> int:
+        """Marks this codec replica alive; how many replicas beat within the last `alive_s`."""
+        if self._clock() < self._down_until:
+            raise QuotaStoreUnavailableError("the quota store failed recently; not retried yet")
+        try:
+            alive = await self._heartbeat(
+                keys=[self.key(REPLICAS_KEY)], args=[replica_id, round(alive_s * 1000)]
+            )
+        except (RedisError, OSError) as exc:
+            self._down_until = self._clock() + self._retry_interval_s
+            raise QuotaStoreUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+        return int(alive)
 
     async def usage(self, counter: str) -> tuple[int, int]:
         current, previous = await self._call([counter], ["peek", self._window_ms])

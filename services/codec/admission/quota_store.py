@@ -44,6 +44,7 @@ class Reservation:
     charges: tuple[Charge, ...]
     bucket: int  # the window bucket the charges went to
     num_tokens: int  # tokens reserved: prompt + n × max_tokens
+    local: bool = False  # charged to this process's fallback store while the shared one was down
 
 
 @dataclass(frozen=True)

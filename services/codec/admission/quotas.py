@@ -19,16 +19,25 @@ The window is a sliding minute (quota_store.py has the arithmetic). Two stores i
 by codec replicas, atomic in one Lua script).
 
 `Quotas` applies the configuration on top of a store, counts refusals, and follows `quotas.fail_open`
-when the store cannot be reached: admit unchecked (fail open) or refuse with 503 (fail closed), both
-logged and counted.
+when the store cannot be reached, both logged and counted:
+
+- fail closed (`fail_open: false`, the chart's default): a 503 with Retry-After.
+- fail open: this process checks the request against its own memory store instead, each limit divided by
+  the number of codec replicas. That number follows the autoscaler: while Redis is up, each replica
+  beats into a sorted set in it (at most every HEARTBEAT_INTERVAL_S, on the request path), and the
+  count of replicas that beat within REPLICA_ALIVE_S is kept. Never having seen Redis, a replica divides
+  by `quotas.fallback_replicas` (the chart sets the autoscaler's maximum). Settling and releasing go to
+  whichever store the reservation was charged to.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import anyio
 
@@ -50,6 +59,8 @@ from services.common.config import QuotasConfig
 logger = logging.getLogger(__name__)
 
 DOWN_LOG_INTERVAL_S = 10.0
+HEARTBEAT_INTERVAL_S = 10.0
+REPLICA_ALIVE_S = 3 * HEARTBEAT_INTERVAL_S
 
 
 _METRIC_WORDS = {"requests": "requests per minute", "tokens": "tokens per minute"}
@@ -72,6 +83,11 @@ class Quotas:
         self._clock = clock
         self._store_down_since: float | None = None
         self._last_down_log = -math.inf
+        # fail open over a shared store: this process's share of each limit while that store is down
+        self.fallback = MemoryQuotaStore(clock=clock) if isinstance(store, RedisQuotaStore) else None
+        self.replica_id = secrets.token_hex(8)
+        self.replicas_seen: int | None = None  # live codec replicas at the last heartbeat
+        self._last_beat = -math.inf
 
     @classmethod
     def from_config(cls, config: QuotasConfig, metrics: LimitsMetrics, *, key_prefix: str) -> Quotas:
@@ -82,8 +98,9 @@ class Quotas:
             store = MemoryQuotaStore()
         return cls(config, store, metrics)
 
-    def charges(self, tenant: str, num_tokens: int) -> tuple[Charge, ...]:
-        """The counters a request of `tenant` costing `num_tokens` is charged to (set limits only)."""
+    def charges(self, tenant: str, num_tokens: int, only: QuotaMetric | None = None) -> tuple[Charge, ...]:
+        """The counters a request of `tenant` costing `num_tokens` is charged to (set limits only; with
+        `only`, those of that metric alone)."""
         cfg = self._config
         own = cfg.tenants.get(tenant)
         tenant_rpm = own.requests_per_minute if own and own.requests_per_minute else None
@@ -97,20 +114,22 @@ class Quotas:
         return tuple(
             Charge(counter_name(scope, metric, who), f"{scope}_{metric}_per_minute", metric, limit, cost)
             for scope, metric, who, limit, cost in limits
-            if limit is not None
+            if limit is not None and only in (None, metric)
         )
 
-    async def reserve(self, tenant: str, num_tokens: int) -> Reservation:
-        """The tenant's reservation, or RateLimitedError (429) / QuotaUnavailableError (503, fail closed)."""
-        charges = self.charges(tenant, num_tokens)
+    async def reserve(self, tenant: str, num_tokens: int, only: QuotaMetric | None = None) -> Reservation:
+        """The tenant's reservation, or RateLimitedError (429) / QuotaUnavailableError (503, fail closed).
+        `only`: charge the counters of that metric alone (the request was charged the other already)."""
+        charges = self.charges(tenant, num_tokens, only)
         if not charges:
             return self._opened(Reservation(tenant, (), 0, num_tokens))
         try:
             with anyio.CancelScope(shield=True):  # once sent, the answer must be known to be undone
                 outcome = await self.store.reserve(tenant, charges, num_tokens)
         except QuotaStoreUnavailableError as exc:
-            return self._opened(self._store_down(tenant, num_tokens, exc))
+            return self._opened(await self._store_down(tenant, charges, num_tokens, exc))
         self._store_up()
+        await self._beat()
         if isinstance(outcome, Denial):
             self._metrics.reject(tenant, outcome.charge.reason)
             raise _rate_limited(tenant, outcome)
@@ -119,15 +138,47 @@ class Quotas:
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """Corrects the tokens counters to what was used. Never raises (it runs in cleanup)."""
         self._closed(reservation)
-        await self._adjust("settle", reservation, lambda: self.store.settle(reservation, actual_tokens))
+        store = self._store_of(reservation)
+        await self._adjust("settle", reservation, lambda: store.settle(reservation, actual_tokens))
 
     async def release(self, reservation: Reservation) -> None:
         """Gives the whole reservation back. Never raises (it runs in cleanup)."""
         self._closed(reservation)
-        await self._adjust("release", reservation, lambda: self.store.release(reservation))
+        store = self._store_of(reservation)
+        await self._adjust("release", reservation, lambda: store.release(reservation))
+
+    async def refund(self, reservation: Reservation) -> None:
+        """Gives back a reservation already settled (a request charged at entry that was never served).
+        Never raises."""
+        store = self._store_of(reservation)
+        await self._adjust("release", reservation, lambda: store.release(reservation))
 
     async def aclose(self) -> None:
         await self.store.aclose()
+
+    @property
+    def fallback_replicas(self) -> int:
+        """What each limit is divided by while the shared store is down."""
+        return self.replicas_seen or self._config.fallback_replicas
+
+    def _store_of(self, reservation: Reservation) -> QuotaStore:
+        return self.fallback if reservation.local and self.fallback is not None else self.store
+
+    async def _beat(self) -> None:
+        """Counts the live codec replicas (at most every HEARTBEAT_INTERVAL_S), for the fail-open share."""
+        now = self._clock()
+        if self.fallback is None or now - self._last_beat < HEARTBEAT_INTERVAL_S:
+            return
+        self._last_beat = now
+        assert isinstance(self.store, RedisQuotaStore)
+        try:
+            with anyio.CancelScope(shield=True):
+                alive = await self.store.heartbeat(self.replica_id, REPLICA_ALIVE_S)
+        except QuotaStoreUnavailableError:
+            return
+        if alive != self.replicas_seen:
+            logger.info("codec replicas sharing the quotas", extra={"replicas": alive})
+        self.replicas_seen = max(1, alive)
 
     async def _adjust(
         self, operation: str, reservation: Reservation, call: Callable[[], Awaitable[None]]
@@ -153,19 +204,33 @@ class Quotas:
         self._metrics.open_reservations.dec()
         self._metrics.reserved_tokens.dec(reservation.num_tokens)
 
-    def _store_down(self, tenant: str, num_tokens: int, exc: Exception) -> Reservation:
+    async def _store_down(
+        self, tenant: str, charges: tuple[Charge, ...], num_tokens: int, exc: Exception
+    ) -> Reservation:
         if self._store_down_since is None:
             self._store_down_since = self._clock()
-        if self._config.fail_open:
+        if not self._config.fail_open:
+            self._metrics.store_errors.labels(operation="reserve", outcome="refused").inc()
+            self._metrics.reject(tenant, "quota_store_down")
+            self._log_down(f"quota store unreachable, refusing requests (fail closed): {exc}")
+            raise QuotaUnavailableError(
+                "quotas cannot be checked now (the quota store is unreachable); retry later"
+            )
+        if self.fallback is None:  # no shared store to fall back from: nothing else to check against
             self._metrics.store_errors.labels(operation="reserve", outcome="admitted").inc()
-            self._log_down(f"quota store unreachable, admitting without quotas (fail open): {exc}")
             return Reservation(tenant, (), 0, num_tokens)
-        self._metrics.store_errors.labels(operation="reserve", outcome="refused").inc()
-        self._metrics.reject(tenant, "quota_store_down")
-        self._log_down(f"quota store unreachable, refusing requests (fail closed): {exc}")
-        raise QuotaUnavailableError(
-            "quotas cannot be checked now (the quota store is unreachable); retry later"
+        replicas = self.fallback_replicas
+        self._metrics.store_errors.labels(operation="reserve", outcome="fallback").inc()
+        self._log_down(
+            f"quota store unreachable, checking each limit / {replicas} codec replicas in this process "
+            f"(fail open): {exc}"
         )
+        share = tuple(replace(c, limit=max(1, c.limit // replicas)) for c in charges)
+        outcome = await self.fallback.reserve(tenant, share, num_tokens)
+        if isinstance(outcome, Denial):
+            self._metrics.reject(tenant, outcome.charge.reason)
+            raise _rate_limited(tenant, outcome)
+        return replace(outcome, local=True)
 
     def _store_up(self) -> None:
         if self._store_down_since is not None:

@@ -28,6 +28,7 @@ class Tenant:
     tenant_id: str
     key_id: str | None  # the API key's public ID; None in open mode
     cache_salt: bytes
+    is_admin: bool = False  # may read /status; in open mode (loopback, or auth.allow_open) everyone may
 
 
 def cache_salt(tenant_id: str, shared_groups: Sequence[Sequence[str]] = ()) -> bytes:

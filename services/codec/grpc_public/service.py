@@ -37,7 +37,7 @@ from services.codec.middleware import log_access, new_request_ids
 from services.codec.protocols.schemas.openai import SamplingFields
 from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
-from services.codec.text.prompts import encode_chat, encode_prompt
+from services.codec.text.prompts import encode_prompt
 from services.common import tracing
 from services.common.grpc_auth import REQUEST_ID_KEY
 from services.common.outputs import FinishReason, TokenLogprob
@@ -104,7 +104,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         body.check_supported()
         template = state.require_chat_template()
         messages = body.template_messages()
-        prompt_ids = encode_chat(template, state.tokenizer, messages, state.metrics)
+        prompt_ids = await state.encoder.chat(template, messages)
         key = session_key(header=session_id, model=state.identity.model_name, messages=messages)
         return PreparedRequest(
             body, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages", key
@@ -119,9 +119,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         state.check_model(body.model)
         body.check_supported()
         param = "prompt" if request.prompt else "prompt_token_ids"
-        prompt_ids = await encode_prompt(
-            body.single_prompt(), state.tokenizer, state.metrics, param, state.vocab_size
-        )
+        prompt_ids = await encode_prompt(body.single_prompt(), state.encoder, param, state.vocab_size)
         key = session_key(header=session_id)  # a plain prompt has no turns: metadata only
         return PreparedRequest(body, prompt_ids, body.max_tokens, body.logprobs, param, key)
 
@@ -164,7 +162,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
                 await context.abort(GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL), error.message)
             finally:
                 self._state.metrics.observe_request(stats, status)
-                log_access(stats, status, method="gRPC", route=route)
+                log_access(stats, status, method="gRPC", route=route, inward_request_id=backend_request_id)
                 span.set_attribute("kvrelay.status", status)
 
     async def _stream(

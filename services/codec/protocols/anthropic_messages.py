@@ -36,6 +36,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.codec.admission.tenancy import tenant_of
 from services.codec.errors import ANTHROPIC_REQUEST_ID_HEADER, WireError
 from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
 from services.codec.metrics import RequestStats
@@ -45,7 +46,6 @@ from services.codec.protocols.schemas.anthropic import CountTokensRequest, Messa
 from services.codec.protocols.sse import encode_event
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.state import CodecState, codec_state, request_id
-from services.codec.text.prompts import encode_chat, encode_text
 from services.common.outputs import FinishReason
 
 PROTOCOL = "anthropic.messages"
@@ -63,7 +63,7 @@ async def create_message(request: Request) -> Response:
         state,
         stats,
         body,
-        _encode_prompt(state, body),
+        await _encode_prompt(state, body),
         max_tokens=body.max_tokens,
         logprobs=None,
         prompt_param=PROMPT_PARAM,
@@ -85,22 +85,22 @@ async def create_message(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     state = codec_state(request)
+    await state.gate.charge_request(tenant_of(request).tenant_id)
     body = await read_request(request, CountTokensRequest)
     state.check_model(body.model)
     body.check_supported()
-    num_tokens = len(_encode_prompt(state, body))
+    num_tokens = len(await _encode_prompt(state, body))
     return JSONResponse(
         {"input_tokens": num_tokens}, headers={ANTHROPIC_REQUEST_ID_HEADER: request_id(request)}
     )
 
 
-def _encode_prompt(state: CodecState, body: PromptFields) -> list[int]:
+async def _encode_prompt(state: CodecState, body: PromptFields) -> list[int]:
     """The template over system and history, then the prefill's text tokens if there is one."""
-    template = state.require_chat_template()
-    token_ids = encode_chat(template, state.tokenizer, body.template_messages(), state.metrics)
+    token_ids = await state.encoder.chat(state.require_chat_template(), body.template_messages())
     prefill = body.prefill_text()
     if prefill:
-        token_ids += encode_text(state.tokenizer, prefill, state.metrics, add_special_tokens=False)
+        token_ids += await state.encoder.text(prefill, add_special_tokens=False, param="messages")
     return token_ids
 
 

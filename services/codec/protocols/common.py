@@ -16,6 +16,7 @@ from fastapi import Request
 
 from services.codec.admission.gate import SamplingSource
 from services.codec.admission.tenancy import tenant_of
+from services.codec.backend.protocol import BackendUnavailableError
 from services.codec.errors import WireError, describe
 from services.codec.generation import (
     GenerationStream,
@@ -46,11 +47,13 @@ BodyT = TypeVar("BodyT", bound=RouteBody)
 async def open_route(
     request: Request, schema: type[BodyT], protocol: str
 ) -> tuple[CodecState, RequestStats, BodyT]:
-    """A generation route's opening: its state and stats (counted under `protocol`), the body parsed into
-    `schema` (a 400 naming the first bad field), the model checked (404), unsupported fields refused."""
+    """A generation route's opening: its state and stats (counted under `protocol`), the request charged
+    to the requests-per-minute quotas (429), the body parsed into `schema` (a 400 naming the first bad
+    field), the model checked (404), unsupported fields refused."""
     state = codec_state(request)
     stats = request_stats(request)
     stats.protocol = protocol
+    request.state.request_charge = await state.gate.charge_request(tenant_of(request).tenant_id)
     body = await read_request(request, schema)  # type: ignore[type-var]  # a pydantic schema
     state.check_model(body.model)
     body.check_supported()
@@ -72,21 +75,28 @@ async def admit_and_start(
     """The gate's context rules and sampling validation, quotas, a slot, then the backend. Every refusal
     happens before any byte and reaches the client through the registered error handler."""
     tenant = tenant_of(request)
-    generation_request = await state.gate.admit(
-        stats,
-        fields,
-        prompt_token_ids,
-        request_id=backend_request_id(request),
-        max_tokens=max_tokens,
-        logprobs=logprobs,
-        prompt_param=prompt_param,
-        timeout_s=state.request_timeout_s,
-        cache_salt=tenant.cache_salt,
-        session_key=session_key,
-    )
+    try:
+        generation_request = await state.gate.admit(
+            stats,
+            fields,
+            prompt_token_ids,
+            request_id=backend_request_id(request),
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_param=prompt_param,
+            timeout_s=state.request_timeout_s,
+            cache_salt=tenant.cache_salt,
+            session_key=session_key,
+        )
+    except BackendUnavailableError:  # the server's failure, not the request's: its entry charge comes back
+        await state.gate.quotas.refund(request.state.request_charge)
+        raise
     # A client that leaves while queued, or while waiting for its first token, is dropped there and then.
     return await unless_client_leaves(
-        request.receive, lambda: state.gate.start(tenant.tenant_id, generation_request, stats)
+        request.receive,
+        lambda: state.gate.start(
+            tenant.tenant_id, generation_request, stats, request_charge=request.state.request_charge
+        ),
     )
 
 

@@ -30,7 +30,6 @@ from services.codec.protocols.common import (
 from services.codec.protocols.schemas.openai import ChatCompletionRequest
 from services.codec.protocols.sse import DONE, encode_event
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
-from services.codec.text.prompts import encode_chat
 from services.common.outputs import TokenLogprob
 
 PROTOCOL = "chat.completions"
@@ -43,7 +42,7 @@ router = APIRouter()
 async def create_chat_completion(request: Request) -> Response:
     state, stats, body = await open_route(request, ChatCompletionRequest, PROTOCOL)
     messages = body.template_messages()
-    prompt_ids = encode_chat(state.require_chat_template(), state.tokenizer, messages, state.metrics)
+    prompt_ids = await state.encoder.chat(state.require_chat_template(), messages)
     generation = await admit_and_start(
         request,
         state,

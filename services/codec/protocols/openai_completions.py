@@ -42,9 +42,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state, stats, body = await open_route(request, CompletionRequest, PROTOCOL)
-    prompt_ids = await encode_prompt(
-        body.single_prompt(), state.tokenizer, state.metrics, "prompt", state.vocab_size
-    )
+    prompt_ids = await encode_prompt(body.single_prompt(), state.encoder, "prompt", state.vocab_size)
     generation = await admit_and_start(
         request,
         state,

@@ -14,13 +14,16 @@ each lifecycle event. Stream sequence (`event:` equals the data's `type`; `seque
     data: [DONE]
 
 A failure after the first byte sends `error`, then `response.failed`, then `data: [DONE]`. A response
-is stored (for GET and continuation) when it completes or is incomplete, unless `store` is false.
+is stored (for GET and continuation) when it completes or is incomplete, unless `store` is false; a store
+that fails then is logged and counted (kvrelay_codec_response_store_errors_total), never the response's
+failure. Where a stored record is needed (previous_response_id, GET, DELETE) a failed store is a 503.
 Stored responses are scoped to the authenticated tenant (admission/tenancy.py; "default" in open
 mode): unknown or another tenant's response IDs are a 404.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,12 +44,14 @@ from services.codec.generation import GenerationStream, SampleFinished, TextDelt
 from services.codec.protocols.common import admit_and_start, collect_unless_gone, open_route, stream_response
 from services.codec.protocols.openai_responses_events import Lifecycle, ResponseDraft
 from services.codec.protocols.schemas.responses import ResponsesRequest
-from services.codec.response_store import ResponseStore, StoredResponse, store_from_env
+from services.codec.response_store import ResponseStore, StoredResponse, store_from_config
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
-from services.codec.text.prompts import encode_chat
+from services.codec.state import CodecState
+from services.common.config import ResponsesConfig
 from services.common.errors import InvalidRequestError
 
 PROTOCOL = "responses"
+logger = logging.getLogger(__name__)
 
 
 class PreviousResponseNotFoundError(InvalidRequestError):
@@ -64,9 +69,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 router = APIRouter(lifespan=_lifespan)
 
 
-def install_responses(app: FastAPI, store: ResponseStore | None = None) -> None:
-    """Adds the routes and their response store (chosen by `store_from_env` unless given) to `app`."""
-    app.state.responses_store = store if store is not None else store_from_env(os.environ)
+def install_responses(app: FastAPI, config: ResponsesConfig, store: ResponseStore | None = None) -> None:
+    """Adds the routes and their response store (`store_from_config` unless given) to `app`."""
+    app.state.responses_store = store if store is not None else store_from_config(config, os.environ)
     app.include_router(router)
 
 
@@ -89,7 +94,7 @@ async def create_response(request: Request) -> Response:
     except PreviousResponseNotFoundError as exc:
         return _not_found(str(exc), exc.param, "previous_response_not_found")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    prompt_ids = encode_chat(state.require_chat_template(), state.tokenizer, system + history, state.metrics)
+    prompt_ids = await state.encoder.chat(state.require_chat_template(), system + history)
     try:
         generation = await admit_and_start(
             request,
@@ -112,7 +117,7 @@ async def create_response(request: Request) -> Response:
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None
     draft = ResponseDraft.new(body, state.identity.model_name)
-    keeper = _Keeper(store if body.is_stored else None, tenant, draft.response_id, history)
+    keeper = _Keeper(store if body.is_stored else None, tenant, draft.response_id, history, generation, state)
     if body.is_stream:
         lifecycle = Lifecycle(draft)
         events = _events(generation, lifecycle, keeper)
@@ -172,12 +177,24 @@ class _Keeper:
     tenant: str
     response_id: str
     history: list[dict[str, str]]
+    generation: GenerationStream
+    state: CodecState
 
     async def keep(self, final: dict[str, Any], text: str) -> None:
+        """Never fails the response: the generation happened, so a store that fails is logged and
+        counted. The generation's slot and quota are given back first, so a slow store holds neither."""
         if self.store is None:
             return
+        await self.generation.aclose()
         conversation = [*self.history, {"role": "assistant", "content": text}]
-        await self.store.put(self.tenant, StoredResponse(self.response_id, final, conversation))
+        try:
+            await self.store.put(self.tenant, StoredResponse(self.response_id, final, conversation))
+        except Exception as exc:
+            self.state.metrics.response_store_errors.labels(operation="put").inc()
+            logger.error(
+                "a finished response was not stored",
+                extra={"response_id": self.response_id, "error": type(exc).__name__},
+            )
 
 
 async def _events(

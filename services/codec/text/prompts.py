@@ -2,13 +2,23 @@
 
 Shared by the protocol routes and /tokenize, so a /tokenize count is exactly what a request would use.
 Template and tokenizer time are recorded per stage by the caller's `StageTimer` (the codec's metrics).
+
+This is work done before admission (the token count is what quotas charge), so `PromptEncoder` bounds
+it: the rendered text is refused over `limits.max_input_bytes` before the tokenizer sees it, and
+rendering and tokenizing run in at most `limits.prompt_workers` threads at once, off the event loop, so
+a large prompt never stalls other requests' streams.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+import anyio
+import anyio.to_thread
 
 from services.codec.text.chat_template import ChatTemplate
 from services.codec.text.tokenizer import Tokenizer
@@ -28,19 +38,85 @@ def encode_chat(
     metrics: StageTimer,
     *,
     add_generation_prompt: bool = True,
+    max_bytes: int | None = None,
 ) -> list[int]:
     """The template writes the special tokens, so the text is encoded without adding any."""
     with metrics.time_stage("template"):
         text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    check_text_bytes(text, max_bytes, "messages")
     with metrics.time_stage("tokenize"):
         return tokenizer.encode(text, add_special_tokens=False)
 
 
 def encode_text(
-    tokenizer: Tokenizer, text: str, metrics: StageTimer, *, add_special_tokens: bool = True
+    tokenizer: Tokenizer,
+    text: str,
+    metrics: StageTimer,
+    *,
+    add_special_tokens: bool = True,
+    max_bytes: int | None = None,
+    param: str = "prompt",
 ) -> list[int]:
+    check_text_bytes(text, max_bytes, param)
     with metrics.time_stage("tokenize"):
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_text_bytes(text: str, max_bytes: int | None, param: str) -> None:
+    """A 400 naming `param` when `text` is over `max_bytes` in UTF-8 (None: no cap)."""
+    if max_bytes is None or len(text) <= max_bytes // 4:  # 4 bytes per character at most: no count needed
+        return
+    num_bytes = len(text.encode("utf-8", "surrogatepass"))
+    if num_bytes > max_bytes:
+        raise InvalidRequestError(
+            f"the prompt's text is {num_bytes} bytes, over the limit of {max_bytes} (limits.max_input_bytes)",
+            param=param,
+        )
+
+
+class PromptEncoder:
+    """`encode_chat` and `encode_text` under the byte cap, in a bounded pool of threads."""
+
+    def __init__(self, tokenizer: Tokenizer, metrics: StageTimer, *, max_bytes: int, workers: int) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_bytes = max_bytes
+        self.limiter = anyio.CapacityLimiter(workers)
+
+    async def chat(
+        self,
+        template: ChatTemplate,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        work = functools.partial(
+            encode_chat,
+            template,
+            self.tokenizer,
+            messages,
+            self.metrics,
+            add_generation_prompt=add_generation_prompt,
+            max_bytes=self.max_bytes,
+        )
+        return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+
+    async def text(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        work = functools.partial(
+            encode_text,
+            self.tokenizer,
+            text,
+            self.metrics,
+            add_special_tokens=add_special_tokens,
+            max_bytes=self.max_bytes,
+            param=param,
+        )
+        return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (its affinity, as a container's cpuset sets it), at most 4."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
@@ -62,13 +138,12 @@ def require_tokens(token_ids: list[int], param: str) -> list[int]:
 
 async def encode_prompt(
     prompt: str | list[int],
-    tokenizer: Tokenizer,
-    metrics: StageTimer,
+    encoder: PromptEncoder,
     param: str,
     vocab_size: Callable[[], Awaitable[int]],
 ) -> list[int]:
     """A plain prompt's token IDs: text is tokenized, IDs are checked against the backend's vocabulary
     (`vocab_size` is awaited only for IDs). An empty prompt is a 400 naming `param`."""
     if isinstance(prompt, str):
-        return require_tokens(encode_text(tokenizer, prompt, metrics), param)
+        return require_tokens(await encoder.text(prompt, param=param), param)
     return require_tokens(check_token_ids(prompt, await vocab_size(), param), param)

@@ -89,39 +89,49 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- printf "%s:%v" (include "kvrelay.componentName" (dict "root" . "component" "router")) .Values.router.port }}
 {{- end }}
 
-{{/* The Redis URL for the bundled Redis; external URLs come from values or a Secret. */}}
-{{- define "kvrelay.bundledRedisUrl" -}}
-{{- printf "redis://%s:6379/0" (include "kvrelay.componentName" (dict "root" . "component" "redis")) }}
-{{- end }}
-
-{{- define "kvrelay.redisInUse" -}}
-{{- if and (or .Values.redis.quotas .Values.redis.responses) (or .Values.redis.enabled .Values.redis.external.url .Values.redis.external.existingSecret) }}true{{- end }}
-{{- end }}
-
-{{/* The kvrelay config file: values' `config`, then what the chart decides (the chart wins). */}}
+{{/* The kvrelay config file: values' `config`, then what the chart decides (the chart wins; the keys
+     it sets through the environment are refused under `config` by kvrelay.checkValues). */}}
 {{- define "kvrelay.configYaml" -}}
 {{- $cfg := deepCopy (default dict .Values.config) }}
 {{- $model := dict "path" (include "kvrelay.modelDir" .) }}
 {{- if .Values.model.servedName }}{{- $_ := set $model "served_name" .Values.model.servedName }}{{- end }}
 {{- $_ := set $cfg "model" (merge $model (default dict (get $cfg "model"))) }}
-{{- $_ := set $cfg "server" (dict "host" "0.0.0.0" "port" (int .Values.codec.port)) }}
+{{- $_ := set $cfg "server" (merge (dict "host" "0.0.0.0" "port" (int .Values.codec.port)) (default dict (get $cfg "server"))) }}
+{{- $auth := default dict (get $cfg "auth") }}
 {{- if .Values.auth.existingSecret }}
-{{- $auth := merge (dict "keys_file" (printf "%s/%s" (include "kvrelay.keysDir" .) .Values.auth.key)) (default dict (get $cfg "auth")) }}
 {{- $_ := set $auth "keys_file" (printf "%s/%s" (include "kvrelay.keysDir" .) .Values.auth.key) }}
-{{- $_ := set $cfg "auth" $auth }}
+{{- else if .Values.auth.allowOpen }}
+{{- $_ := set $auth "allow_open" true }}
 {{- end }}
+{{- if $auth }}{{- $_ := set $cfg "auth" $auth }}{{- end }}
 {{- if and (include "kvrelay.redisInUse" .) .Values.redis.quotas }}
 {{- $quotas := default dict (get $cfg "quotas") }}
 {{- $_ := set $quotas "backend" "redis" }}
+{{- /* Redis down: 503 unless the user chose to fall back to per-process limits, divided by the codec
+       replicas last seen alive, or by the most there can be when none was ever seen. */}}
+{{- if not (hasKey $quotas "fail_open") }}{{- $_ := set $quotas "fail_open" false }}{{- end }}
+{{- if not (hasKey $quotas "fallback_replicas") }}
+{{- $replicas := ternary .Values.codec.autoscaling.maxReplicas .Values.codec.replicas .Values.codec.autoscaling.enabled }}
+{{- $_ := set $quotas "fallback_replicas" (max 1 (int $replicas)) }}
+{{- end }}
 {{- $_ := set $cfg "quotas" $quotas }}
+{{- end }}
+{{- if and (include "kvrelay.redisInUse" .) .Values.redis.responses }}
+{{- $responses := default dict (get $cfg "responses") }}
+{{- $_ := set $responses "key_prefix" .Values.redis.responsesKeyPrefix }}
+{{- $_ := set $cfg "responses" $responses }}
 {{- end }}
 {{- toYaml $cfg }}
 {{- end }}
 
-{{/* Environment every kvrelay container gets: the internal token as a file. */}}
+{{/* Environment every kvrelay server container gets: the internal token as a file, its log level, the
+     internal TLS files. Call with (dict "root" $ "logLevel" STAGE_LOG_LEVEL). */}}
 {{- define "kvrelay.commonEnv" -}}
 - name: KVRELAY_INTERNAL_TOKEN_FILE
-  value: {{ printf "%s/%s" (include "kvrelay.tokenDir" .) .Values.internalToken.key | quote }}
+  value: {{ printf "%s/%s" (include "kvrelay.tokenDir" .root) .root.Values.internalToken.key | quote }}
+- name: KVRELAY_LOGGING__LEVEL
+  value: {{ default .root.Values.logLevel .logLevel | quote }}
+{{- include "kvrelay.internalTlsEnv" .root }}
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -132,31 +142,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
       fieldPath: metadata.namespace
 {{- end }}
 
-{{/* The codec's Redis URLs: a literal for bundled or plain external Redis, a Secret reference else. */}}
-{{- define "kvrelay.redisEnv" -}}
-{{- if include "kvrelay.redisInUse" . }}
-{{- $names := list }}
-{{- if .Values.redis.quotas }}{{- $names = append $names "KVRELAY_QUOTAS__REDIS_URL" }}{{- end }}
-{{- if .Values.redis.responses }}{{- $names = append $names "KVRELAY_RESPONSES_REDIS_URL" }}{{- end }}
-{{- range $names }}
-- name: {{ . }}
-{{- if $.Values.redis.enabled }}
-  value: {{ include "kvrelay.bundledRedisUrl" $ | quote }}
-{{- else if $.Values.redis.external.existingSecret }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ $.Values.redis.external.existingSecret }}
-      key: {{ $.Values.redis.external.key }}
-{{- else }}
-  value: {{ $.Values.redis.external.url | quote }}
-{{- end }}
-{{- end }}
-{{- end }}
-{{- end }}
-
 {{/* Volumes and mounts ------------------------------------------------------------------------ */}}
 
-{{/* Pod volumes for a kvrelay server: config, token, model (shared or fetched), /tmp. */}}
+{{/* Pod volumes for a kvrelay server: config, token, internal TLS (internalTls.enabled), /tmp. */}}
 {{- define "kvrelay.volumes" -}}
 - name: config
   configMap:
@@ -165,6 +153,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
   secret:
     secretName: {{ include "kvrelay.tokenSecretName" . }}
     defaultMode: 0440
+{{- if .Values.internalTls.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "kvrelay.internalTlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
 - name: tmp
   emptyDir:
     sizeLimit: 1Gi
@@ -188,6 +182,11 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 - name: internal-token
   mountPath: {{ include "kvrelay.tokenDir" . }}
   readOnly: true
+{{- if .Values.internalTls.enabled }}
+- name: internal-tls
+  mountPath: {{ include "kvrelay.internalTlsDir" . }}
+  readOnly: true
+{{- end }}
 - name: tmp
   mountPath: /tmp
 {{- end }}

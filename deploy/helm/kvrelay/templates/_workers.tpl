@@ -26,7 +26,7 @@
 {{- end }}
 
 {{/* One `kvrelay worker` container. Call with a dict:
-     root, name (the container's), role, port, metricsPort, portPrefix ("" or e.g. "prefill-": the
+     root, name (the container's), role, logLevel, port, metricsPort, portPrefix ("" or e.g. "prefill-": the
      container port names are <portPrefix>grpc and <portPrefix>metrics, unique within the pod), workerName
      (--name), threads, graceSeconds, preStopSleepSeconds, startupProbe, extraArgs, extraEnv, resources,
      share (engine.gpu_memory_utilization on a GPU), and mounts (extra volumeMounts). */}}
@@ -62,7 +62,7 @@
     - {{ . | quote }}
     {{- end }}
   env:
-    {{- include "kvrelay.commonEnv" $root | trim | nindent 4 }}
+    {{- include "kvrelay.commonEnv" (dict "root" $root "logLevel" .logLevel) | trim | nindent 4 }}
     {{- with include "kvrelay.engineEnv" (dict "root" $root "share" .share) | trim }}
     {{- . | nindent 4 }}
     {{- end }}
@@ -85,22 +85,17 @@
   # on SIGTERM, so the endpoint stops taking requests while in-flight ones drain);
   # "kvrelay.liveness" fails when the engine loop stops stepping while work waits.
   startupProbe:
-    grpc:
-      port: {{ .port }}
-      service: ""
+    {{- include "kvrelay.grpcProbe" (dict "root" $root "port" .port "service" "") | nindent 4 }}
     periodSeconds: {{ .startupProbe.periodSeconds }}
+    timeoutSeconds: 3
     failureThreshold: {{ .startupProbe.failureThreshold }}
   readinessProbe:
-    grpc:
-      port: {{ .port }}
-      service: ""
+    {{- include "kvrelay.grpcProbe" (dict "root" $root "port" .port "service" "") | nindent 4 }}
     periodSeconds: 5
     timeoutSeconds: 3
     failureThreshold: 2
   livenessProbe:
-    grpc:
-      port: {{ .port }}
-      service: kvrelay.liveness
+    {{- include "kvrelay.grpcProbe" (dict "root" $root "port" .port "service" "kvrelay.liveness") | nindent 4 }}
     periodSeconds: 10
     timeoutSeconds: 3
     failureThreshold: 3

@@ -54,7 +54,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("model_fingerprint", "layout", "first_token", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "first_token_position", "num_kv_tokens", "num_chunks")
+    __slots__ = ("model_fingerprint", "layout", "first_token", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "first_token_position", "num_kv_tokens", "num_chunks", "crc32")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class PrefillHeader(_message.Message):
     FIRST_TOKEN_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     layout: KVLayout
     first_token: _worker_pb2.TokenLogprob
@@ -73,7 +74,8 @@ class PrefillHeader(_message.Message):
     first_token_position: int
     num_kv_tokens: int
     num_chunks: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_token: _Optional[_Union[_worker_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_worker_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., first_token_position: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    crc32: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_token: _Optional[_Union[_worker_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_worker_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., first_token_position: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("index", "start_token", "num_tokens", "data", "crc32", "ipc", "device_checksum")

@@ -1,0 +1,43 @@
+{{/* What the chart refuses to render, each refusal naming the values to set. Included by configmap.yaml,
+     which every render has. */}}
+{{- define "kvrelay.checkValues" -}}
+{{- if not (or .Values.auth.existingSecret .Values.auth.allowOpen) }}
+{{- fail "no API keys: set auth.existingSecret to a Secret holding the keys file made by `kvrelay keys add` (docs/admission.md), or set auth.allowOpen: true to serve in open mode (no key checked; every caller is tenant \"default\", sharing one prefix cache and one stored-Responses namespace)" }}
+{{- end }}
+{{- $tls := .Values.internalTls }}
+{{- if and $tls.enabled (not (or $tls.existingSecret $tls.certManager.enabled)) }}
+{{- fail "internalTls.enabled needs its certificate: internalTls.existingSecret (a Secret with tls.crt, tls.key and ca.crt), or internalTls.certManager.enabled with internalTls.certManager.issuerRef" }}
+{{- end }}
+{{- if and $tls.enabled $tls.certManager.enabled (not $tls.certManager.issuerRef.name) }}
+{{- fail "internalTls.certManager.enabled needs internalTls.certManager.issuerRef.name (an Issuer or ClusterIssuer that fills ca.crt, e.g. a CA issuer)" }}
+{{- end }}
+{{- if and .Values.redis.tls.enabled (not .Values.redis.enabled) }}
+{{- fail "redis.tls applies to the bundled Redis (redis.enabled); for an external Redis give a rediss:// URL in redis.external" }}
+{{- end }}
+{{- if and .Values.redis.tls.enabled (not .Values.redis.tls.existingSecret) (not $tls.enabled) }}
+{{- fail "redis.tls.enabled needs redis.tls.existingSecret (tls.crt, tls.key, ca.crt), or internalTls.enabled, whose certificate then serves Redis too" }}
+{{- end }}
+{{- include "kvrelay.checkConfigKeys" . }}
+{{- end }}
+
+{{/* Config keys the chart sets from other values (in the ConfigMap or the environment, where they would
+     silently win over the same key under `config`): refused there, naming the value that sets each. */}}
+{{- define "kvrelay.checkConfigKeys" -}}
+{{- $cfg := default dict .Values.config }}
+{{- $owned := dict
+      "auth" (dict "keys_file" "auth.existingSecret and auth.key" "allow_open" "auth.allowOpen")
+      "quotas" (dict "redis_url" "redis.enabled or redis.external")
+      "responses" (dict "redis_url" "redis.enabled or redis.external" "key_prefix" "redis.responsesKeyPrefix")
+      "server" (dict "metrics_port" "codec.metricsPort")
+      "internal_tls" (dict "cert_file" "internalTls" "key_file" "internalTls" "ca_file" "internalTls") }}
+{{- range $section, $keys := $owned }}
+{{- range $key, $instead := $keys }}
+{{- if hasKey (default dict (get $cfg $section)) $key }}
+{{- fail (printf "config.%s.%s: the chart sets it; set %s instead" $section $key $instead) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with get $cfg "logging" }}
+{{- fail (printf "config.logging (%s): the chart sets each container's log level; set logLevel, or codec.logLevel, router.logLevel, prefill.logLevel, decode.logLevel, paired.logLevel instead" (keys . | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}

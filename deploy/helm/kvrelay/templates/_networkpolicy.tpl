@@ -1,0 +1,50 @@
+{{/* NetworkPolicy pieces shared by networkpolicy.yaml. */}}
+
+{{/* A peer selecting one component's pods of this release. Call with (dict "root" $ "component" NAME). */}}
+{{- define "kvrelay.podPeer" -}}
+- podSelector:
+    matchLabels:
+      {{- include "kvrelay.selectorLabels" . | nindent 6 }}
+{{- end }}
+
+{{- define "kvrelay.policyTypes" -}}
+{{- if .Values.networkPolicy.egress.enabled }}[Ingress, Egress]{{ else }}[Ingress]{{ end }}
+{{- end }}
+
+{{/* The OTLP endpoint's port (config.tracing.otlp_endpoint), empty when tracing is off; gRPC's 443 when the
+     URL names none. */}}
+{{- define "kvrelay.otlpPort" -}}
+{{- $endpoint := toString (dig "tracing" "otlp_endpoint" "" (default dict .Values.config)) | trim }}
+{{- if $endpoint }}
+{{- $host := (urlParse $endpoint).host }}
+{{- default "443" (trimPrefix ":" (regexFind ":[0-9]+$" $host)) }}
+{{- end }}
+{{- end }}
+
+{{/* Egress every kvrelay pod gets: DNS, the OTLP endpoint when tracing is on, and networkPolicy.extraEgress's
+     `all` and `kind` rules. Call with (dict "root" $ "kind" "codec"|"router"|"workers"). */}}
+{{- define "kvrelay.commonEgress" -}}
+{{- $np := .root.Values.networkPolicy }}
+- to:
+    {{- toYaml $np.egress.dns.to | nindent 4 }}
+  ports:
+    - port: {{ $np.egress.dns.port }}
+      protocol: UDP
+    - port: {{ $np.egress.dns.port }}
+      protocol: TCP
+{{- with include "kvrelay.otlpPort" .root }}
+- ports:
+    - port: {{ int . }}
+      protocol: TCP
+  {{- with $np.egress.otlpTo }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- with $np.extraEgress.all }}
+{{ toYaml . }}
+{{- end }}
+{{- with index $np.extraEgress .kind }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
