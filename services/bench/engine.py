@@ -154,9 +154,12 @@ def build_engine(args: argparse.Namespace, batch_size_limit: int) -> Any:
     return engine
 
 
-def run_batch(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
-    """All `prompts` at once, greedy, `new_tokens` each: decode tok/s after every first token, TTFT."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def run_batch(
+    engine: Any, prompts: list[list[int]], new_tokens: int, tag: str, params: SamplingParams | None = None
+) -> dict[str, float]:
+    """All `prompts` at once, greedy (unless `params` says otherwise), `new_tokens` each: decode tok/s
+    after every first token, TTFT."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.pool.reset_cache()
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):

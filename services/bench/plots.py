@@ -76,6 +76,22 @@ def plot_engine(result: dict[str, Any], batches: list[int], path: Path) -> None:
     _save(fig, path, 110)
 
 
+def plot_grammar(result: dict[str, Any], path: Path) -> None:
+    """Decode tok/s per batch size, free and under the JSON schema."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    batches = list(result["batches"])
+    series: dict[str, list[float | None]] = {
+        "free text": [result["batches"][b]["free_tok_s"] for b in batches],
+        "JSON schema": [result["batches"][b]["schema_tok_s"] for b in batches],
+    }
+    _grouped_bars(ax, batches, series, "%.0f", headroom=True)
+    ax.set_xlabel("concurrent sequences")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"structured output, {result['new_tokens']} tokens each")
+    _save(fig, path, 110)
+
+
 # -- bench stack ---------------------------------------------------------------------------------------
 
 

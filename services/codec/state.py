@@ -73,6 +73,12 @@ class CodecState:
         metrics = CodecMetrics()
         limits_metrics = LimitsMetrics(metrics.registry)
         info = BackendInfoCache(backend)
+        encoder = PromptEncoder(
+            tokenizer,
+            metrics,
+            max_bytes=config.limits.max_input_bytes,
+            workers=config.limits.prompt_workers or default_workers(),
+        )
         generator = Generator(
             backend,
             tokenizer,
@@ -90,13 +96,8 @@ class CodecState:
             info=info,
             generator=generator,
             readiness=Readiness(backend, identity.tokenizer_fingerprint),
-            gate=Gate.from_config(config, info, generator, limits_metrics, os.environ),
-            encoder=PromptEncoder(
-                tokenizer,
-                metrics,
-                max_bytes=config.limits.max_input_bytes,
-                workers=config.limits.prompt_workers or default_workers(),
-            ),
+            gate=Gate.from_config(config, info, generator, limits_metrics, os.environ, encoder),
+            encoder=encoder,
         )
 
     async def aclose(self) -> None:

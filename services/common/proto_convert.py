@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.errors import EmptyPromptError, InvalidRequestError, TokenOutOfRangeError
+from services.common.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingError,
+    TokenOutOfRangeError,
+)
+from services.common.grammar import GrammarKind, GrammarSpec
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
@@ -59,7 +65,24 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.grammar is not None:
+        grammar = params.grammar
+        msg.grammar.CopyFrom(pb.Grammar(kind=grammar.kind.value, text=grammar.text, strict=grammar.strict))
     return msg
+
+
+def grammar_from_proto(msg: pb.SamplingParams) -> GrammarSpec | None:
+    """The request's grammar, or None; InvalidSamplingError for an unknown kind."""
+    if not msg.HasField("grammar"):
+        return None
+    try:
+        kind = GrammarKind(msg.grammar.kind)
+    except ValueError:
+        known = ", ".join(k.value for k in GrammarKind)
+        raise InvalidSamplingError(
+            f"grammar.kind must be one of {known}, got {msg.grammar.kind!r}", param="grammar"
+        ) from None
+    return GrammarSpec(kind, msg.grammar.text, msg.grammar.strict)
 
 
 @dataclass(frozen=True)
@@ -142,6 +165,7 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int | None = None) -
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=grammar_from_proto(msg),
     )
     params.validate(vocab_size)
     return params

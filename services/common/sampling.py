@@ -12,6 +12,8 @@ Semantics (applied by services/engine/sampler.py, in this order):
 - `top_k` (0 is off), `top_p` (1.0 is off) and `min_p` (0.0 is off) filter, in that order.
 - `seed` makes a request's tokens a function of (seed, output position) only.
 - `logprobs` k returns the chosen token's logprob plus the k most likely tokens (k may be 0).
+- `grammar` (structured output, services/common/grammar.py): only tokens that keep the output inside
+  the grammar may be sampled; the mask applies after the bans, before greedy or filtered sampling.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidSamplingError
+from services.common.grammar import GrammarSpec
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
@@ -48,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -4,7 +4,13 @@ step(): schedule -> run the model -> append sampled tokens, check stops, free fi
 With `overlap` (the default on a GPU), a step launches step t+1 before it reads back step t's tokens, so
 the host schedules and prepares t+1 while t runs on the device: t+1 takes t's tokens on the device, and
 a sequence t ends (a stop token) has computed one token too many, which is dropped. Rows with penalties
-need their tokens on the host, so a step that has them waits for t first. step() returns t's outputs.
+or a grammar need their tokens on the host (the penalties count them; the grammar's mask for t+1 follows
+t's token), so a step that has them waits for t first. step() returns t's outputs.
+
+Structured output: a request with `params.grammar` gets one matcher per sample when it is added
+(grammar_matchers.py; a grammar that does not compile is a GrammarError, a 400); the runner masks those
+rows' logits each step, and the sample ends once its grammar is complete (Request.check_stop).
+
 The core is handed its parts (a scheduler over a KV cache manager and block pool, and a `Runner`);
 `from_config` builds them from a model directory (factory.py), tests put a fake runner in.
 """
@@ -16,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from llguidance import LLMatcher
 
 from services.common.block_hash import BlockHasher, root_hash
 from services.common.config import KvrelayConfig
@@ -26,10 +33,12 @@ from services.common.errors import (
     InvalidRequestError,
     TokenOutOfRangeError,
 )
+from services.common.grammar import GrammarError
 from services.common.manifest import Manifest
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPoolStats, KVEvent
+from services.engine.grammar_matchers import GrammarMatchers
 from services.engine.kv_export import KVExport, KVTransferError
 from services.engine.models.config import ModelConfig
 from services.engine.request import Request, RequestStatus
@@ -66,8 +75,9 @@ class _InFlight:
 
     @property
     def needs_tokens_on_host(self) -> bool:
-        """A sequence with penalties reads its output tokens on the host when it is sampled next."""
-        return any(t.request.params.has_penalties for t in self.tokens)
+        """A sequence with penalties reads its output tokens on the host when it is sampled next; one with
+        a grammar needs its matcher past them before its next mask."""
+        return any(t.request.params.has_penalties or t.request.matcher is not None for t in self.tokens)
 
 
 @dataclass(frozen=True)
@@ -95,9 +105,11 @@ class EngineCore:
         *,
         max_model_len: int,
         overlap: bool = False,
+        grammars: GrammarMatchers | None = None,
     ) -> None:
         """`scheduler` brings the KV cache manager and block pool it schedules over; `runner` computes
-        steps over KV blocks of the same pool and block size. `overlap`: see the module docstring."""
+        steps over KV blocks of the same pool and block size. `overlap`: see the module docstring.
+        `grammars`: the matchers for the model's tokenizer; None refuses every grammar (GrammarError)."""
         self.model_config = model_config
         self.manifest = manifest
         self.scheduler = scheduler
@@ -113,6 +125,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_aborted = 0
         self.overlap = overlap
+        self.grammars = grammars
         self._in_flight: _InFlight | None = None
 
     @classmethod
@@ -188,6 +201,7 @@ class EngineCore:
         if self.scheduler.live_samples(request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already running")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        matchers = self._matchers(params)
         samples = []
         for index in range(params.n):
             seed = params.seed
@@ -207,9 +221,18 @@ class EngineCore:
                     arrival_time=arrival,
                     max_model_len=self.max_model_len,
                     export_kv_from=export_kv_from,
+                    matcher=matchers[index],
                 )
             )
         return samples
+
+    def _matchers(self, params: SamplingParams) -> list[LLMatcher | None]:
+        """One grammar matcher per sample, or Nones when the request has no grammar."""
+        if params.grammar is None:
+            return [None] * params.n
+        if self.grammars is None:
+            raise GrammarError("structured output is not available for this model: it has no tokenizer")
+        return list(self.grammars.matchers(params.grammar, params.n))
 
     def reserve_remote(
         self,
@@ -270,9 +293,12 @@ class EngineCore:
 
     @staticmethod
     def _append_first(request: Request, first: TokenLogprob) -> None:
+        """The prefill replica's first token is in: the grammar, if any, moves past it here too."""
         request.append_token(first.token_id)
         if request.params.logprobs is not None:
             request.logprobs.append(first)
+        if request.grammar_refused:
+            raise KVTransferError(f"the prefill replica's first token {first.token_id} breaks the grammar")
 
     def abort(self, request_ids: Sequence[str]) -> int:
         """Abort every live sample of these requests, wherever it is; every block returns to the pool.
@@ -288,6 +314,13 @@ class EngineCore:
         if samples:
             self.num_aborted += 1
         return [_ended(r, FinishReason.ABORT) for r in samples]
+
+    def prepare_grammars(self) -> str | None:
+        """Build the grammar compiler now (thread-safe), so no request waits for it: a worker calls this
+        before it serves. Returns why grammars are refused here, or None when they are ready."""
+        if self.grammars is None:
+            return "this engine has no tokenizer"
+        return None if self.grammars.prepare() else self.grammars.unavailable
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None

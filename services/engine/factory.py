@@ -6,13 +6,15 @@ share of the device (`engine.gpu_memory_utilization`) after the weights and one 
 step's tokens (services/engine/device.py has the rule and its refusals).
 
 `assemble_core` takes the runner as a function of the planned KV cache, so tests build the same core
-over a fake runner without a model directory.
+over a fake runner without a model directory. A core built from a directory gets grammar matchers over
+its tokenizer.json (built on first use, grammar_matchers.py); one over a state dict has none unless given.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,7 @@ from services.engine.device import (
     plan_device_blocks,
     resolve_device,
 )
+from services.engine.grammar_matchers import GrammarMatchers
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
 from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
 from services.engine.loader import LoadedModel, load_model, stored_weight_bytes
@@ -77,6 +80,7 @@ def assemble_core(
     *,
     plan_blocks: BlockPlanner | None = None,
     device: torch.device | None = None,
+    grammars: GrammarMatchers | None = None,
 ) -> EngineCore:
     """Plan the KV cache (within `engine.kv_cache_memory_mb` unless `plan_blocks` says otherwise), then
     build the scheduler and the runner."""
@@ -90,7 +94,9 @@ def assemble_core(
     scheduler = build_scheduler(config, engine, num_blocks, batch_size_limit, device)
     on_gpu = device is not None and device.type == "cuda"
     overlap = on_gpu if engine.overlap is None else engine.overlap
-    return EngineCore(config, manifest, scheduler, runner, max_model_len=max_model_len, overlap=overlap)
+    return EngineCore(
+        config, manifest, scheduler, runner, max_model_len=max_model_len, overlap=overlap, grammars=grammars
+    )
 
 
 def build_core(config: KvrelayConfig) -> EngineCore:
@@ -109,15 +115,23 @@ def build_core(config: KvrelayConfig) -> EngineCore:
     loaded = load_model(
         model.path, model.dtype, device, attention=engine.attention, block_size=engine.block_size
     )
-    return build_core_from_loaded(loaded, config, free_at_start=free_at_start)
+    grammars = GrammarMatchers(
+        Path(model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size
+    )
+    return build_core_from_loaded(loaded, config, free_at_start=free_at_start, grammars=grammars)
 
 
 def build_core_from_loaded(
-    loaded: LoadedModel, config: KvrelayConfig, *, free_at_start: int | None = None
+    loaded: LoadedModel,
+    config: KvrelayConfig,
+    *,
+    free_at_start: int | None = None,
+    grammars: GrammarMatchers | None = None,
 ) -> EngineCore:
     """A core over an already loaded model (a directory's, or a state dict's: loader.load_state_dict), on
     the device its weights are on. `free_at_start`: the device's free bytes before the weights were placed
-    (unknown for a state dict built elsewhere: then what this process's allocator holds counts)."""
+    (unknown for a state dict built elsewhere: then what this process's allocator holds counts).
+    `grammars`: see EngineCore (None refuses grammars)."""
     engine = config.engine
     device = loaded.model.device
     batch_size_limit = config.limits.batch_size_limit
@@ -169,6 +183,7 @@ def build_core_from_loaded(
         model_runner,
         plan_blocks=plan_blocks,
         device=device,
+        grammars=grammars,
     )
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.block_hash import BlockHasher
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +47,9 @@ class Request:
     max_model_len: int = 0
     # Prefill replica: after the first token, export the KV of prompt positions from here on and stop.
     export_kv_from: int | None = None
+    # Structured output (grammar_matchers.py): the grammar state after the output tokens known so far. Each
+    # sampled token is fed to it once, when it is appended or resolved; a recompute feeds it nothing.
+    matcher: LLMatcher | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -109,8 +116,11 @@ class Request:
         return True
 
     def append_token(self, token_id: int) -> None:
+        """A sampled token is in (the grammar, if any, moves past it)."""
         self.token_ids.append(token_id)
         self.block_hasher.update(self.token_ids)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
 
     def append_placeholder(self) -> None:
         """A token was sampled on the device and is not read back yet: hold its place (not hashed)."""
@@ -123,6 +133,13 @@ class Request:
         self.num_pending_tokens -= 1
         known = self.token_ids if not self.num_pending_tokens else self.token_ids[: -self.num_pending_tokens]
         self.block_hasher.update(known)
+        if self.matcher is not None:  # oldest first, so the grammar sees the tokens in order
+            self.matcher.consume_token(token_id)
+
+    @property
+    def grammar_refused(self) -> bool:
+        """True when the grammar refused a token fed to it (never for a token sampled under its mask)."""
+        return self.matcher is not None and self.matcher.is_error()
 
     @property
     def ends_when_resolved(self) -> bool:
@@ -137,7 +154,12 @@ class Request:
         )
 
     def check_stop(self, index: int | None = None) -> FinishReason | None:
-        """The finish reason once the token at `index` (default: the last) is in, or None to go on."""
+        """The finish reason once the token at `index` (default: the last) is in, or None to go on.
+
+        With a grammar: a stop token ends the sample as always; then a complete grammar (only EOS may
+        follow) is STOP at once, without sampling the EOS; a refused token is LENGTH (the output ended
+        before the grammar was complete); max_tokens inside the grammar stays LENGTH. A sequence with a
+        grammar is never overlapped (core.py), so its matcher has seen exactly the tokens up to `index`."""
         index = self.num_tokens - 1 if index is None else index
         last = self.token_ids[index]
         num_out = index + 1 - self.num_prompt_tokens
@@ -145,6 +167,10 @@ class Request:
             not self.params.ignore_eos and last in self.eos_token_ids
         )
         if stops and num_out >= self.params.min_tokens:
+            return FinishReason.STOP
+        if self.grammar_refused:
+            return FinishReason.LENGTH
+        if self.matcher is not None and self.matcher.is_stopped():
             return FinishReason.STOP
         if num_out >= self.params.max_tokens:
             return FinishReason.LENGTH

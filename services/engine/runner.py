@@ -2,7 +2,8 @@
 
 `ModelRunner` is the engine's `Runner` (runner_protocol.py) over a real model and its KV cache tensors.
 The step's inputs are built on the host and copied to the cache's device (CPU or CUDA); logits, sampling
-and logprobs stay on the device, and the sampled token IDs coming back are the step's one host wait.
+and logprobs stay on the device, and the sampled token IDs coming back are the step's one host wait. Rows
+with a grammar get their masks filled on the host once the forward is queued (grammar_mask.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from services.common.outputs import TokenLogprob
 from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.grammar_mask import GrammarMask
 from services.engine.models.registry import CausalLM
 from services.engine.request import Request, SeqId
 from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
@@ -65,6 +67,7 @@ class ModelRunner:
         self._before_forward: Callable[[], None] | None = None
         self._previous: _Sampled | None = None
         self.graphs: DecodeGraphs | None = None  # decode steps replay captured graphs (cuda_graphs.py)
+        self.grammar_mask = GrammarMask(vocab_size, self.device)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -170,16 +173,18 @@ class ModelRunner:
         return to_device([block_ids[p // bs] * bs + p % bs for p in range(start, end)], self.device)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
+        banned = [_banned(r) for r in requests]
+        allowed = self.grammar_mask.fill(requests, banned)  # a grammar row's bans go into its mask
         rows = [
             SamplingRow(
                 params=r.params,
                 prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids,
-                banned_token_ids=_banned(r),
+                banned_token_ids=() if r.matcher is not None else bans,
             )
-            for r in requests
+            for r, bans in zip(requests, banned, strict=True)
         ]
-        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device, allowed)
         return sample_on_device(logits[:, : self.vocab_size], batch, self.generator)
 
 
@@ -188,10 +193,14 @@ def _row(chunk: ScheduledChunk) -> RowSpec:
 
 
 def _banned(request: Request) -> tuple[int, ...]:
-    """EOS and stop tokens are banned until min_tokens outputs exist."""
-    if request.num_output_tokens >= request.params.min_tokens:
-        return ()
-    banned = set(request.params.stop_token_ids)
-    if not request.params.ignore_eos:
+    """EOS and stop tokens are banned until min_tokens outputs exist. With a grammar, EOS under
+    ignore_eos too: it stays possible only where the grammar allows nothing else (grammar_mask.py)."""
+    params = request.params
+    banned: set[int] = set()
+    if request.num_output_tokens < params.min_tokens:
+        banned |= set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= request.eos_token_ids
+    if request.matcher is not None and params.ignore_eos:
         banned |= request.eos_token_ids
     return tuple(sorted(banned))

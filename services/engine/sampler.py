@@ -5,7 +5,9 @@ Pipeline, per row (sampler_reference.py implements the same steps one row at a t
 1. Penalties. The repetition penalty divides the logit of every token seen in the prompt or the output
    by the penalty when positive and multiplies it otherwise; then each output token's logit is lowered
    by `frequency_penalty * count + presence_penalty`.
-2. Bans. `SamplingRow.banned_token_ids` (EOS and stop tokens while below min_tokens) become -inf.
+2. Bans. `SamplingRow.banned_token_ids` (EOS and stop tokens while below min_tokens) become -inf. Then
+   the grammar mask: in a row with a grammar (`SamplingBatch.allowed`), every token the grammar does not
+   allow next becomes -inf, the columns past the tokenizer's vocabulary among them.
 3. Greedy rows (temperature < 1e-5) take the argmax of these logits; their filters are ignored.
 4. Other rows: divide by the temperature; keep the top_k largest logits (ties with the k-th kept);
    keep the smallest set of most likely tokens whose probability reaches top_p, measured after top_k;
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from services.engine.counter_rng import counter_exponentials
 from services.engine.sampling_batch import (
+    AllowedTokens,
     PenaltyTensors,
     SamplingBatch,
     SamplingRow,
@@ -50,6 +53,7 @@ from services.engine.sampling_batch import (
 _NUM_TOP_P_CANDIDATES = 256
 
 __all__ = [
+    "AllowedTokens",
     "DeviceSample",
     "PenaltyTensors",
     "SamplerOutput",
@@ -149,9 +153,10 @@ def _check_logits(logits: Tensor, batch: SamplingBatch) -> None:
 
 
 def _penalise(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Steps 1 and 2: penalties, then bans. Returns a new tensor when anything changes."""
+    """Steps 1 and 2: penalties, then bans and the grammar mask. Returns a new tensor when anything
+    changes."""
     penalties = batch.penalties
-    if penalties is None and batch.banned_row_ids is None:
+    if penalties is None and batch.banned_row_ids is None and batch.allowed is None:
         return logits
     logits = logits.clone()  # [num_seqs, vocab_size]
     if penalties is not None:
@@ -166,7 +171,25 @@ def _penalise(logits: Tensor, batch: SamplingBatch) -> Tensor:
         )  # [num_counted]
     if batch.banned_row_ids is not None and batch.banned_token_ids is not None:
         logits[batch.banned_row_ids, batch.banned_token_ids] = float("-inf")
+    if batch.allowed is not None:
+        _mask_disallowed_(logits, batch.allowed)
     return logits
+
+
+def _mask_disallowed_(logits: Tensor, allowed: AllowedTokens) -> None:
+    """In place: -inf for every token a grammar row's bitmask does not allow.
+
+    The int32 words are read as little-endian bytes (byte k of word w holds tokens 32w + 8k ..), and each
+    byte looks up its 8 tokens' additive bias (0 or -inf) in a 256-row table: one gather and one add,
+    several times faster on a CPU than unpacking bits into a boolean mask and filling with it."""
+    device, num_masked, vocab_size = logits.device, allowed.row_ids.shape[0], logits.shape[1]
+    byte_values = torch.arange(256, device=device).unsqueeze(1)  # [256, 1]
+    is_set = (byte_values >> torch.arange(8, device=device)) & 1  # [256, 8]
+    table = torch.zeros((256, 8), dtype=logits.dtype, device=device)  # [256, 8]
+    table.masked_fill_(is_set == 0, float("-inf"))
+    as_bytes = allowed.bitmask.contiguous().view(torch.uint8).flatten().long()  # [num_masked * 4 * num_words]
+    bias = table.index_select(0, as_bytes).view(num_masked, -1)[:, :vocab_size]  # [num_masked, vocab_size]
+    logits.index_add_(0, allowed.row_ids, bias)
 
 
 def _filtered_probs(penalised: Tensor, batch: SamplingBatch) -> Tensor:

@@ -9,7 +9,7 @@ and seeded rows, whose noise comes from the pure-Python counter hash (counter_rn
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -25,8 +25,10 @@ def reference_sample_probs(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     banned_token_ids: Sequence[int] = (),
+    allowed_token_ids: Collection[int] | None = None,
 ) -> Tensor:
-    """The probability vector [vocab_size] one row samples from; one-hot at the argmax when greedy."""
+    """The probability vector [vocab_size] one row samples from; one-hot at the argmax when greedy.
+    `allowed_token_ids`: a grammar's next tokens (None: no grammar)."""
     row = logits_row.detach().to(dtype=torch.float32, device="cpu").clone()  # [vocab_size]
     for token_id in set(prompt_ids) | set(output_ids):
         value = float(row[token_id])
@@ -37,6 +39,10 @@ def reference_sample_probs(
         row[token_id] = float(row[token_id]) - params.frequency_penalty * count - params.presence_penalty
     for token_id in banned_token_ids:
         row[token_id] = -math.inf
+    if allowed_token_ids is not None:
+        for token_id in range(len(row)):
+            if token_id not in allowed_token_ids:
+                row[token_id] = -math.inf
     values = row.tolist()
     if params.is_greedy:
         probs = torch.zeros_like(row)  # [vocab_size]
@@ -63,12 +69,15 @@ def reference_sample_token(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     banned_token_ids: Sequence[int] = (),
+    allowed_token_ids: Collection[int] | None = None,
 ) -> int:
     """The token a greedy or seeded row picks: argmax(probs / q), q[v] the counter draw for v.
 
     Unseeded sampled rows draw from the engine's generator, which has no reference: ValueError.
     """
-    probs = reference_sample_probs(logits_row, params, prompt_ids, output_ids, banned_token_ids)
+    probs = reference_sample_probs(
+        logits_row, params, prompt_ids, output_ids, banned_token_ids, allowed_token_ids
+    )
     if params.is_greedy:
         return int(probs.argmax())
     if params.seed is None:

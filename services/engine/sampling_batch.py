@@ -67,6 +67,15 @@ class SeedTensors:
 
 
 @dataclass
+class AllowedTokens:
+    """The tokens each row with a grammar may take this step, as a bitmask (grammar_mask.py fills it)."""
+
+    row_ids: Tensor  # [num_masked] int64, the rows with a grammar, each once
+    # [num_masked, ceil(vocab_size / 32)] int32: token v is allowed when bit v % 32 of word v // 32 is set
+    bitmask: Tensor
+
+
+@dataclass
 class SamplingBatch:
     """Per-step sampler inputs, built once per step by `build`. Unused features are None."""
 
@@ -83,6 +92,7 @@ class SamplingBatch:
     banned_token_ids: Tensor | None  # [num_banned] int64
     num_logprobs: list[int | None]  # per row, SamplingParams.logprobs
     max_top_k: int = 1  # the largest top_k in use, known on the host (no device read to size topk)
+    allowed: AllowedTokens | None = None  # None when no row has a grammar
 
     @property
     def num_sampled(self) -> int:
@@ -94,9 +104,17 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        allowed: AllowedTokens | None = None,
     ) -> SamplingBatch:
-        """Gather the step's per-row inputs into tensors on `device`, skipping features no row uses."""
+        """Gather the step's per-row inputs into tensors on `device`, skipping features no row uses.
+        `allowed` (already on `device`) covers the rows with a grammar."""
+        if allowed is not None and allowed.bitmask.shape[1] * 32 < vocab_size:
+            num_words = allowed.bitmask.shape[1]
+            raise ValueError(f"a bitmask of {num_words} words does not cover {vocab_size} tokens")
         params = [row.params for row in rows]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         used = [params[i] for i in sampled]
@@ -117,6 +135,7 @@ class SamplingBatch:
             banned_token_ids=_int64s(banned_token_ids, device) if banned_token_ids else None,
             num_logprobs=[p.logprobs for p in params],
             max_top_k=max((p.top_k for p in used if 0 < p.top_k < vocab_size), default=1),
+            allowed=allowed,
         )
 
 

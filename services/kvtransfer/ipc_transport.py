@@ -183,12 +183,17 @@ class IpcSender:
     """Prefill side: shares each export once and sends one handle-carrying KVChunk per chunk; sends the
     bytes instead (grpc's chunks) to a decode replica in another domain."""
 
-    def __init__(self, device: torch.device, hold_s: float = DEFAULT_HOLD_S) -> None:
+    def __init__(
+        self, device: torch.device, hold_s: float = DEFAULT_HOLD_S, *, expected: bool = False
+    ) -> None:
+        """`expected`: the stack's transport is ipc, so transfers will come (on a CPU, torch's
+        shared-memory manager is started now rather than on the first, mid-request; a worker whose stack
+        uses another transport never starts that extra process)."""
         self.domain = ipc_domain(device)
         self.hold_s = hold_s
         self._chunk_bytes = IPC_CHUNK_BYTES[device.type]
         self._bytes = GrpcSender()
-        if device.type == "cpu":  # torch starts its shared-memory manager on first use: here, not mid-request
+        if expected and device.type == "cpu":
             try:
                 share(torch.zeros(1, dtype=torch.uint8))
             except RuntimeError as exc:

@@ -33,7 +33,7 @@ MAX_BODY_BYTES = 65536
 MAX_INPUT_TOKENS = 128
 SHARED_RPM = 10
 REDIS_URL = "redis://127.0.0.1:6379/0"
-TENANTS = ("alice", "bob", "carol", "dave")
+TENANTS = ("alice", "bob", "carol", "dave", "erin")
 
 
 def chat(max_tokens: int = 2, *, stream: bool = False, **extra: Any) -> dict[str, Any]:
@@ -166,9 +166,10 @@ def test_413_for_a_body_over_the_limit(limited: Limited) -> None:
 def test_400_for_a_context_overflow_before_any_worker_sees_it(limited: Limited) -> None:
     before = worker_load(limited.stack).requests_total
     long_prompt = {"role": "user", "content": "word " * (MAX_INPUT_TOKENS * 2)}
-    with limited.client("bob") as bob:
-        response = bob.post("/v1/chat/completions", json={**chat(), "messages": [long_prompt]})
-        anthropic = bob.post("/v1/messages", json={**chat(), "messages": [long_prompt]})
+    # erin's own quota: a refused request still counts against it (charged before its body is read)
+    with limited.client("erin") as erin:
+        response = erin.post("/v1/chat/completions", json={**chat(), "messages": [long_prompt]})
+        anthropic = erin.post("/v1/messages", json={**chat(), "messages": [long_prompt]})
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert anthropic.status_code == 400 and anthropic.json()["error"]["type"] == "invalid_request_error"
     assert worker_load(limited.stack).requests_total == before

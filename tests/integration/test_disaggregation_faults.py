@@ -156,6 +156,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     fingerprint = load_verified_manifest(model).model_fingerprint
     fake = FakePrefill(fingerprint, Fault(), prompt_kv(model))
+    # torch forks its shared-memory manager on the first share: here, before the fake's server threads
+    # run (a fork from a busy threaded process crashed in the child once), as a worker does at start
+    share(torch.zeros(1, dtype=torch.uint8))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     kv_transfer_pb2_grpc.add_PrefillServicer_to_server(fake, server)
     fake_address = f"127.0.0.1:{free_port()}"

@@ -16,6 +16,7 @@ from services.codec.state import CodecIdentity, CodecState
 from services.codec.text.prompts import encode_chat
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
+from services.common.grammar import GrammarKind, GrammarSpec
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
@@ -262,3 +263,18 @@ async def test_request_id_and_deadline(api: Api) -> None:
     seen = api.fake.seen[0]
     assert re.fullmatch(r"req_[0-9a-f]{24}", seen.request_id), "the inward ID is the server's own"
     assert seen.timeout_s is not None and seen.timeout_s <= 3.1  # grpc-timeout rounds the deadline up
+
+
+async def test_structured_output_reaches_the_backend_and_a_bad_one_is_invalid_argument(api: Api) -> None:
+    api.fake.script = scripted([[28]])
+    schema = '{"type":"object","properties":{"a":{"type":"integer"}}}'
+    [_ async for _ in api.stub.Chat(chat(structured_output=pb.StructuredOutput(json_schema=schema)))]
+    assert api.fake.seen[-1].sampling.grammar == GrammarSpec(GrammarKind.JSON_SCHEMA, schema)
+    choices = pb.StructuredOutput(choice=pb.StructuredOutput.Choices(values=["yes", "no"]))
+    [_ async for _ in api.stub.Chat(chat(structured_output=choices))]
+    assert api.fake.seen[-1].sampling.grammar == GrammarSpec.choice(["yes", "no"])
+    seen = len(api.fake.seen)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [_ async for _ in api.stub.Chat(chat(structured_output=pb.StructuredOutput(regex="a(b")))]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert "regex" in (caught.value.details() or "") and len(api.fake.seen) == seen

@@ -1,7 +1,8 @@
 """The one gate every generation passes, whichever protocol it came by (HTTP routes and the public gRPC
 API alike), every refusal before any response byte:
 
-    admit    context rules and sampling validation                    400 (the backend never sees it)
+    admit    context rules, sampling validation, the structured output   400 (the backend never sees it)
+             constraint compiled (off the event loop)
     (entry)  requests per minute, before the body is parsed (HTTP)   429 + Retry-After (charge_request)
     start    quotas (quotas.py; tenant and global, per minute)       429 + Retry-After, nothing held
              a concurrency slot, in the fair queue (fair_queue.py)   503 (529 on /v1/messages) when full
@@ -46,6 +47,7 @@ from services.codec.metrics import RequestStats
 from services.common import tracing
 from services.common.config import KvrelayConfig, LimitsConfig
 from services.common.errors import ContextLengthExceededError, InvalidRequestError
+from services.common.grammar import Constraint, GrammarSpec
 
 KEY_PREFIX_ENV = "KVRELAY_QUOTAS_KEY_PREFIX"
 
@@ -76,6 +78,14 @@ class SamplingSource(Protocol):
     def sampling_kwargs(self) -> dict[str, Any]: ...
 
     def stop_strings(self) -> tuple[str, ...]: ...
+
+    def constraint(self) -> Constraint | None: ...
+
+
+class GrammarCheck(Protocol):
+    async def check_grammar(self, spec: GrammarSpec, param: str) -> None:
+        """Compiles the constraint (off the event loop); GrammarError, naming `param`, when it cannot."""
+        ...
 
 
 class Lease:
@@ -123,8 +133,10 @@ class Gate:
         quotas: Quotas,
         limiter: FairLimiter,
         metrics: LimitsMetrics,
+        grammars: GrammarCheck | None = None,
     ) -> None:
         self._config = config
+        self._grammars = grammars
         self._info = info
         self._generator = generator
         self.quotas = quotas
@@ -139,11 +151,12 @@ class Gate:
         generator: Generator,
         metrics: LimitsMetrics,
         environ: Mapping[str, str],
+        grammars: GrammarCheck | None = None,
     ) -> Gate:
         key_prefix = environ.get(KEY_PREFIX_ENV, "").strip() or DEFAULT_KEY_PREFIX
         quotas = Quotas.from_config(config.quotas, metrics, key_prefix=key_prefix)
         limiter = FairLimiter(config.limits.concurrency_limit, config.limits.queue_limit, metrics)
-        return cls(config, info, generator, quotas, limiter, metrics)
+        return cls(config, info, generator, quotas, limiter, metrics, grammars)
 
     async def charge_request(self, tenant_id: str) -> Reservation:
         """Counts one request against the tenant's and the global requests per minute (a 429 past them)
@@ -179,6 +192,9 @@ class Gate:
         sampling = build_sampling(
             fields.sampling_kwargs(), max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size
         )
+        constraint = fields.constraint()
+        if constraint is not None and self._grammars is not None:  # a 400 now, not on a worker
+            await self._grammars.check_grammar(constraint.spec, constraint.param)
         stats.num_prompt_tokens = num_prompt_tokens
         return GenerationRequest(
             request_id=request_id,

@@ -78,7 +78,21 @@ def sampling_fields(options: pb.SamplingOptions) -> dict[str, Any]:
         fields["stop_token_ids"] = list(options.stop_token_ids)
     if options.ignore_eos:
         fields["ignore_eos"] = True
+    if options.HasField("structured_output"):
+        fields["structured_outputs"] = _structured_output(options.structured_output)
     return fields
+
+
+def _structured_output(message: pb.StructuredOutput) -> dict[str, Any]:
+    """The HTTP `structured_outputs` object for the constraint `message` sets."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_output sets no constraint", param="sampling.structured_output")
+    if kind == "json_schema":
+        return {"json": message.json_schema}  # the text: parsed and checked when it is compiled
+    if kind == "choice":
+        return {"choice": list(message.choice.values)}
+    return {kind: getattr(message, kind)}
 
 
 def _message(message: pb.ChatMessage) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class ResponseDraft:
             "frequency_penalty": 0.0,
             "top_logprobs": 0,
             "reasoning": None,
-            "text": {"format": {"type": "text"}},
+            "text": self.request.text_body(),
             "tools": [],
             "tool_choice": request.tool_choice or "auto",
             "parallel_tool_calls": request.parallel_tool_calls is not False,

@@ -69,6 +69,10 @@ class Tokenizer:
         chat_template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
         return cls(hf_tokenizer, config, generation_config, chat_template)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar engine builds its own from)."""
+        return str(self._tokenizer.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token IDs for `text`. With `add_special_tokens`, the post-processor's tokens (and BOS
         when `add_bos_token` asks for it) are added; chat-template output must not use it."""

@@ -11,7 +11,7 @@ Fields fall in three groups:
 - defined by Anthropic but not honoured here: they parse, then `check_supported` (or turning the
   messages into template messages) rejects them with UnsupportedParameterError: content blocks other
   than text (image, document, tool_use, tool_result, thinking, ...), tools, tool_choice, thinking
-  other than disabled, container, output_config.format.
+  other than disabled, container. output_config.format (json_schema) is honoured: schemas/structured.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from services.codec.errors import UnsupportedParameterError
+from services.codec.protocols.schemas import structured
 from services.codec.text.stop_strings import MAX_STOP_STRING_CHARS
 from services.common.errors import InvalidRequestError
+from services.common.grammar import Constraint
 
 MAX_STOP_SEQUENCES = 16  # a server limit: each one is matched against every token's text
 MAX_USER_ID_LEN = 256
@@ -111,11 +113,16 @@ class ToolChoice(Strict):
 
 class OutputConfig(Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None
+    format: structured.AnthropicFormat | None = None
 
 
 class PromptFields(Strict):
     """What decides the prompt: the whole of a count_tokens request, and part of a messages one."""
+
+    def constraint(self) -> Constraint | None:
+        """`output_config.format` (json_schema) as a structured output constraint."""
+        text_format = self.output_config.format if self.output_config is not None else None
+        return structured.pick((structured.from_anthropic_format(text_format), "output_config.format"))
 
     model: str
     messages: Annotated[list[InputMessage], Field(min_length=1)]
@@ -138,8 +145,7 @@ class PromptFields(Strict):
             raise UnsupportedParameterError("tool use is not supported yet", "tool_choice")
         if self.thinking is not None and self.thinking.type != "disabled":
             raise UnsupportedParameterError("extended thinking is not supported by this model", "thinking")
-        if self.output_config is not None and self.output_config.format is not None:
-            raise UnsupportedParameterError("structured outputs are not supported", "output_config.format")
+        self.constraint()
         prefill = self.prefill_text()
         if prefill is not None and prefill != prefill.rstrip():
             where = f"messages[{len(self.messages) - 1}].content"
@@ -199,7 +205,13 @@ class MessagesRequest(PromptFields):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams fields that the request sets (max_tokens excluded)."""
-        values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        constraint = self.constraint()
+        values = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "grammar": None if constraint is None else constraint.spec,
+        }
         return {name: value for name, value in values.items() if value is not None}
 
 

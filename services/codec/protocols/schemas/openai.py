@@ -20,8 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.codec.errors import UnsupportedParameterError
+from services.codec.protocols.schemas import structured
+from services.codec.protocols.schemas.structured import StructuredOutputs
 from services.codec.text.stop_strings import MAX_STOP_STRING_CHARS
 from services.common.errors import InvalidRequestError
+from services.common.grammar import Constraint
 from services.common.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -115,6 +118,12 @@ class SamplingFields(Strict):
     stop_token_ids: (
         Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
     ) = None
+    # vLLM's structured output extras (schemas/structured.py).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def is_stream(self) -> bool:
@@ -146,8 +155,19 @@ class SamplingFields(Strict):
             "stop_token_ids": None
             if self.stop_token_ids is None
             else tuple(dict.fromkeys(self.stop_token_ids)),
+            "grammar": None if (constraint := self.constraint()) is None else constraint.spec,
         }
         return {name: value for name, value in values.items() if value is not None}
+
+    def constraint(self) -> Constraint | None:
+        """The structured output constraint the request names, if any (a 400 when it names several)."""
+        return structured.from_vllm(
+            self.structured_outputs,
+            self.guided_json,
+            self.guided_regex,
+            self.guided_choice,
+            self.guided_grammar,
+        )
 
     def _check_shared(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -183,7 +203,7 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: structured.ResponseFormat | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -215,10 +235,12 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("prediction", "web_search_options"):
             if getattr(self, name) is not None:
                 raise UnsupportedParameterError(f"{name} is not supported", name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedParameterError(
-                "only response_format type 'text' is supported", "response_format"
-            )
+        self.constraint()  # several constraints named: a 400 now, before the prompt is rendered
+
+    def constraint(self) -> Constraint | None:
+        return structured.pick(
+            (structured.from_response_format(self.response_format), "response_format"), super().constraint()
+        )
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template(index) for index, message in enumerate(self.messages)]

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
 from services.codec.errors import UnsupportedParameterError
+from services.codec.protocols.schemas import structured
 from services.codec.protocols.schemas.openai import SamplingFields, Strict
 from services.common.errors import InvalidRequestError
+from services.common.grammar import Constraint
 from services.common.sampling import MAX_LOGPROBS
 
 TEXT_PART_TYPES = {"user": "input_text", "system": "input_text", "developer": "input_text"}
@@ -127,13 +129,8 @@ InputItem = Annotated[
 ]
 
 
-class TextFormat(Strict):
-    model_config = ConfigDict(extra="allow", strict=True)  # json_schema's name, schema, strict
-    type: Literal["text", "json_schema", "json_object"]
-
-
 class TextConfig(Strict):
-    format: TextFormat | None = None
+    format: structured.TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted and ignored
 
 
@@ -194,8 +191,7 @@ class ResponsesRequest(Strict):
             raise UnsupportedParameterError("tool calling is not supported yet", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise UnsupportedParameterError("tool calling is not supported yet", "tool_choice")
-        if self.text is not None and self.text.format is not None and self.text.format.type != "text":
-            raise UnsupportedParameterError("only text.format type 'text' is supported", "text.format")
+        self.constraint()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         if self.truncation == "auto":
@@ -224,6 +220,29 @@ class ResponsesRequest(Strict):
             messages.append(item.to_template(index))
         return messages
 
+    def constraint(self) -> Constraint | None:
+        """`text.format` json_schema or json_object, as a structured output constraint."""
+        text_format = self.text.format if self.text is not None else None
+        return structured.pick((structured.from_text_format(text_format), "text.format"))
+
+    def text_body(self) -> dict[str, Any]:
+        """The response object's `text`: the format asked for, echoed (text when none was)."""
+        text_format = self.text.format if self.text is not None else None
+        if text_format is None:
+            return {"format": {"type": "text"}}
+        return {"format": text_format.model_dump(by_alias=True, exclude_none=True)}
+
     def sampling_fields(self) -> SamplingFields:
         """The sampling knobs in the shape the shared OpenAI admission takes."""
-        return SamplingFields(model=self.model, temperature=self.temperature, top_p=self.top_p)
+        fields = _ResponsesSampling(model=self.model, temperature=self.temperature, top_p=self.top_p)
+        fields._text_constraint = self.constraint()
+        return fields
+
+
+class _ResponsesSampling(SamplingFields):
+    """SamplingFields whose constraint is the Responses request's `text.format`."""
+
+    _text_constraint: Constraint | None = PrivateAttr(default=None)
+
+    def constraint(self) -> Constraint | None:
+        return self._text_constraint
