@@ -118,7 +118,11 @@ MESSAGES_CASES: list[tuple[str, Any, str]] = [
     ("thinking", {"type": "enabled", "budget_tokens": 1024}, "thinking"),
     ("thinking", {"type": "adaptive"}, "thinking"),
     ("container", "container_1", "container"),
-    ("output_config", {"format": {"type": "json_schema", "schema": {}}}, "output_config.format"),
+    (
+        "output_config",
+        {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}},
+        "output_config.format",
+    ),
     ("service_tier", "priority", "service_tier"),
     ("frobnicate", True, "frobnicate"),
 ]

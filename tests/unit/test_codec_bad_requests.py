@@ -122,7 +122,12 @@ CHAT_CASES: list[tuple[str, Any, str, str | None]] = [
     ("modalities", ["text", "audio"], "modalities", "unsupported_parameter"),
     ("prediction", {"type": "content", "content": "x"}, "prediction", "unsupported_parameter"),
     ("web_search_options", {}, "web_search_options", "unsupported_parameter"),
-    ("response_format", {"type": "json_object"}, "response_format", "unsupported_parameter"),
+    (
+        "response_format",
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        "response_format",
+        None,
+    ),
     ("logit_bias", {"50256": -100}, "logit_bias", "unsupported_parameter"),
     ("frobnicate", True, "frobnicate", "unknown_parameter"),
     ("min_tokens", 70, "min_tokens", None),  # above the default max_tokens

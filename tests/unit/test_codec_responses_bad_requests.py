@@ -108,8 +108,13 @@ CASES: list[tuple[str, Any, str, str | None]] = [
     ("metadata", {f"k{i}": "v" for i in range(17)}, "metadata", None),
     ("truncation", "auto", "truncation", UNSUPPORTED),
     ("truncation", "sideways", "truncation", None),
-    ("text", {"format": {"type": "json_object"}}, "text.format", UNSUPPORTED),
-    ("text", {"format": {"type": "json_schema", "name": "x", "schema": {}}}, "text.format", UNSUPPORTED),
+    ("text", {"format": {"type": "json_schema", "name": "x"}}, "text.format", None),  # no schema
+    (
+        "text",
+        {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}},
+        "text.format",
+        None,
+    ),
     ("text", {"format": {"type": "yaml"}}, "text.format.type", None),
     ("tools", [{"type": "web_search"}], "tools", UNSUPPORTED),
     ("tools", [{"type": "file_search", "vector_store_ids": ["vs_1"]}], "tools", UNSUPPORTED),
