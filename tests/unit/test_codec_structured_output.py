@@ -181,3 +181,15 @@ async def test_a_constraint_that_cannot_compile_is_a_400_no_backend_sees(
     else:
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert fake.seen == []
+
+
+async def test_a_stop_string_wins_over_the_constraint(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    """The constraint shapes the tokens; a stop string still ends the text where it matches, inside the
+    value (docs/protocols.md, "Structured output")."""
+    body = {**CHAT, "response_format": {"type": "json_object"}, "stop": [","]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == '{"name":"Ann"'
+    assert fake.seen[-1].sampling.grammar == GrammarSpec(GrammarKind.JSON_OBJECT)
