@@ -56,6 +56,7 @@ class SampleFinished:
     reason: FinishReason
     stop: str | None  # the stop string that matched, if one did
     num_tokens: int
+    num_tool_calls: int = 0  # calls parsed from its text (protocols/output.py): a "tool_calls" finish
 
 
 @dataclass(frozen=True)

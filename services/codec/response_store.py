@@ -62,12 +62,12 @@ class StoredResponse:
 
     `body` is the response object as served. `conversation` is what a continuation starts from: the
     earlier turns, this response's input and its output, as chat-template messages (instructions are
-    never part of it).
+    never part of it): an assistant turn may hold `tool_calls`, and a `tool` turn answers one of them.
     """
 
     response_id: str
     body: dict[str, Any]
-    conversation: list[dict[str, str]]
+    conversation: list[dict[str, Any]]
 
     def to_json(self) -> str:
         record = {"response_id": self.response_id, "body": self.body, "conversation": self.conversation}

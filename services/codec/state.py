@@ -8,6 +8,7 @@ queue); its quota store may hold a Redis client, which `aclose` closes at shutdo
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from services.codec.backend.readiness import Readiness
 from services.codec.errors import UnknownModelError
 from services.codec.generation import Generator
 from services.codec.metrics import CodecMetrics, RequestStats
+from services.codec.text.assistant import Assistant
 from services.codec.text.chat_template import ChatTemplate, chat_template_from_tokenizer
 from services.codec.text.prompts import PromptEncoder, default_workers
 from services.codec.text.tokenizer import Tokenizer
@@ -108,6 +110,11 @@ class CodecState:
         """404 model_not_found unless `model` is the served name (None is allowed where optional)."""
         if model is not None and model != self.identity.model_name:
             raise UnknownModelError(model)
+
+    @functools.cached_property
+    def assistant(self) -> Assistant:
+        """The model's tool call format, tool-aware template and thinking mode (text/assistant.py)."""
+        return Assistant.for_model(self.tokenizer, self.chat_template, self.config.model.tool_call_format)
 
     def require_chat_template(self) -> ChatTemplate:
         if self.chat_template is None:

@@ -38,6 +38,9 @@ class ModelConfig(_Section):
     # A Jinja chat template file for the codec, replacing the model's own; lets a model without one
     # (a base model such as Gemma 3 270M) serve the chat routes. Relative paths are from the working dir.
     chat_template: str | None = Field(default=None, min_length=1)
+    # How the model writes a tool call (services/codec/text/tool_calls.py). auto: Qwen's <tool_call> tokens
+    # (hermes), else Llama 3's <|python_tag|> (llama3), else the JSON form of the shipped templates (json).
+    tool_call_format: Literal["auto", "json", "hermes", "llama3"] = "auto"
 
 
 class EngineConfig(_Section):

@@ -3,6 +3,7 @@ server reflection and built from the reflected descriptors (no generated public_
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
@@ -167,3 +169,54 @@ def test_cancel_aborts_the_request_on_the_worker(client: GenericClient, stack: R
     while worker_running(stack) != 0:
         assert time.monotonic() < deadline, "the worker still runs the cancelled request"
         time.sleep(0.05)
+
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+def weather_request(client: GenericClient, mode: str) -> Any:
+    request = chat_request(client, "What is the weather in Paris?", max_tokens=80)
+    tool = request.tools.add()
+    tool.name, tool.parameters_json, tool.strict = "get_weather", json.dumps(WEATHER_SCHEMA), True
+    mode_enum = request.tool_choice.DESCRIPTOR.enum_types_by_name["Mode"]
+    request.tool_choice.mode = mode_enum.values_by_name[mode].number
+    request.tool_choice.name = "get_weather" if mode == "NAMED" else ""
+    request.tool_choice.disable_parallel = True
+    return request
+
+
+def test_a_forced_tool_call_streams_as_call_pieces_and_round_trips(client: GenericClient) -> None:
+    responses = list(client.stream("Chat", weather_request(client, "NAMED")))
+    pieces = [piece for response in responses for piece in response.tool_calls]
+    assert pieces and pieces[0].call_index == 0 and pieces[0].name == "get_weather"
+    assert pieces[0].id.startswith("call_") and all(not p.id for p in pieces[1:])
+    arguments = json.loads("".join(piece.arguments for piece in pieces))
+    jsonschema.validate(arguments, WEATHER_SCHEMA)
+    reason_enum = responses[-1].finish.DESCRIPTOR.enum_types_by_name["Reason"]
+    assert responses[-1].finish.reason == reason_enum.values_by_name["TOOL_CALLS"].number
+    assert joined(responses) == ""  # a forced call is the whole answer
+
+    follow_up = weather_request(client, "AUTO")
+    assistant = follow_up.messages.add()
+    assistant.role = "assistant"
+    call = assistant.tool_calls.add()
+    call.id, call.name, call.arguments_json = pieces[0].id, "get_weather", json.dumps(arguments)
+    result = follow_up.messages.add()
+    result.role, result.tool_call_id, result.content = "tool", pieces[0].id, "21 degrees, sunny"
+    answer = list(client.stream("Chat", follow_up))
+    assert answer[-1].usage.completion_tokens > 0 and answer[-1].finish.num_tokens > 0
+
+
+def test_a_tool_result_for_no_call_is_invalid_argument(client: GenericClient) -> None:
+    request = weather_request(client, "AUTO")
+    result = request.messages.add()
+    result.role, result.tool_call_id, result.content = "tool", "call_unknown", "21 degrees"
+    with pytest.raises(grpc.RpcError) as caught:
+        list(client.stream("Chat", request))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "call_unknown" in (caught.value.details() or "")

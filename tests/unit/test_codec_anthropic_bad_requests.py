@@ -87,8 +87,8 @@ MESSAGES_CASES: list[tuple[str, Any, str]] = [
     ),
     (
         "messages",
-        [*HI, {"role": "assistant", "content": [{"type": "thinking", "thinking": "x"}]}],
-        "thinking",
+        user([{"type": "thinking", "thinking": "x"}]),
+        "thinking blocks cannot be in a user message",
     ),
     ("messages", [*HI, {"role": "assistant", "content": "Sure, "}], "trailing whitespace"),
     ("model", MISSING, "model"),
@@ -113,10 +113,10 @@ MESSAGES_CASES: list[tuple[str, Any, str]] = [
     ("system", [IMAGE], "system"),
     ("metadata", {"user_id": 5}, "metadata.user_id"),
     ("metadata", {"session": "x"}, "metadata.session"),
-    ("tools", [TOOL], "tool use is not supported"),
-    ("tool_choice", {"type": "auto"}, "tool use is not supported"),
+    ("tools", [{"name": "f", "input_schema": {"type": "string"}}], "tools[0].input_schema"),
+    ("tool_choice", {"type": "tool", "name": "nope"}, "tool_choice"),
     ("thinking", {"type": "enabled", "budget_tokens": 1024}, "thinking"),
-    ("thinking", {"type": "adaptive"}, "thinking"),
+    ("thinking", {"type": "enabled", "budget_tokens": 512}, "thinking.budget_tokens"),
     ("container", "container_1", "container"),
     (
         "output_config",
@@ -159,8 +159,8 @@ async def test_bad_messages_field_is_400_invalid_request(
         ("stream", True, "stream"),
         ("messages", [], "messages"),
         ("messages", user([IMAGE]), "image"),
-        ("tools", [TOOL], "tool use"),
-        ("thinking", {"type": "enabled", "budget_tokens": 1024}, "thinking"),
+        ("tools", [{"name": "f", "input_schema": {"type": "string"}}], "tools[0].input_schema"),
+        ("thinking", {"type": "enabled", "budget_tokens": 512}, "thinking.budget_tokens"),
     ],
 )
 async def test_bad_count_tokens_field_is_400(

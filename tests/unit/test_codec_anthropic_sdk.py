@@ -191,12 +191,14 @@ def test_errors_raise_the_matching_sdk_exceptions(client: anthropic.Anthropic, f
     assert not_found.value.request_id == not_found.value.response.headers["x-request-id"]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL_NAME, max_tokens=8, messages=[])
-    with pytest.raises(anthropic.BadRequestError, match="tool use"):
+    with pytest.raises(anthropic.BadRequestError, match="invalid schema"):
         client.messages.create(
             model=MODEL_NAME,
             max_tokens=8,
             messages=HI,
-            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tools=[
+                {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}
+            ],
         )
     with pytest.raises(anthropic.ContentTooLargeError):
         client.messages.create(

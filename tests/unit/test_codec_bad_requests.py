@@ -68,12 +68,13 @@ CHAT_CASES: list[tuple[str, Any, str, str | None]] = [
     ("messages", [], "messages", None),
     ("messages", "hi", "messages", None),
     ("messages", message(role="wizard"), "messages[0].role", None),
-    ("messages", message(role="tool", tool_call_id="call_1"), "messages[0]", "unsupported_parameter"),
+    # a tool result for a call no assistant message made; an assistant call without its function
+    ("messages", message(role="tool", tool_call_id="call_1"), "messages[0].tool_call_id", None),
     (
         "messages",
         [{"role": "assistant", "tool_calls": [{"id": "c"}]}],
-        "messages[0].tool_calls",
-        "unsupported_parameter",
+        "messages[0].tool_calls[0].function",
+        None,
     ),
     ("messages", [{"role": "assistant", "content": None}], "messages[0].content", None),
     ("messages", message(content=7), "messages[0].content", None),
@@ -114,8 +115,14 @@ CHAT_CASES: list[tuple[str, Any, str, str | None]] = [
     ("seed", "x", "seed", None),
     ("stream", "yes", "stream", None),
     ("stream_options", {"include_usage": True}, "stream_options", None),  # without stream
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools", "unsupported_parameter"),
-    ("tool_choice", "auto", "tool_choice", "unsupported_parameter"),
+    # tools whose parameters are no object schema; a tool_choice naming a tool that is not offered
+    (
+        "tools",
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+        "tools[0]",
+        None,
+    ),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice", None),
     ("functions", [{"name": "f"}], "functions", "unsupported_parameter"),
     ("function_call", "auto", "function_call", "unsupported_parameter"),
     ("audio", {"voice": "alloy", "format": "wav"}, "audio", "unsupported_parameter"),

@@ -72,8 +72,8 @@ CASES: list[tuple[str, Any, str, str | None]] = [
     ("input", user("hi", role="wizard"), "input[0].role", None),
     ("input", [{"role": "tool", "content": "x"}], "input[0].role", None),
     ("input", [{"type": "banana", "role": "user", "content": "x"}], "input[0].type", None),
-    ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}], "input[0]", UNSUPPORTED),
-    ("input", [{"type": "reasoning", "summary": []}], "input[0]", UNSUPPORTED),
+    # the output of a call that no earlier item (nor the stored conversation) made
+    ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}], "input[0].call_id", None),
     ("input", user(7), "input[0].content", None),
     ("input", user("hi", name="bob"), "input[0].name", "unknown_parameter"),
     ("input", user([text_part("video")]), "input[0].content[0].type", None),
@@ -127,9 +127,15 @@ CASES: list[tuple[str, Any, str, str | None]] = [
     ),
     ("tools", [{"type": "mcp", "server_label": "s", "server_url": "http://x"}], "tools", UNSUPPORTED),
     ("tools", [{"type": "image_generation"}], "tools", UNSUPPORTED),
-    ("tools", [{"type": "function", "name": "f", "parameters": {}, "strict": True}], "tools", UNSUPPORTED),
+    # a function tool whose parameters are no object schema
+    (
+        "tools",
+        [{"type": "function", "name": "f", "parameters": {"type": "string"}, "strict": True}],
+        "tools[0]",
+        None,
+    ),
     ("tools", "web_search", "tools", None),
-    ("tool_choice", "required", "tool_choice", UNSUPPORTED),
+    ("tool_choice", "required", "tool_choice", None),  # forcing a call with no tools offered
     ("background", True, "background", UNSUPPORTED),
     ("conversation", "conv_1", "conversation", UNSUPPORTED),
     ("include", ["reasoning.encrypted_content"], "include", UNSUPPORTED),

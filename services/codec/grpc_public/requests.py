@@ -8,6 +8,7 @@ checked here: an empty conversation, the prompt given twice or not at all, top_l
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from services.codec.protocols.request_body import parse_schema
@@ -47,7 +48,46 @@ def chat_request(request: pb.ChatRequest, served_model: str) -> ChatCompletionRe
         body["logprobs"] = True
     if options.HasField("top_logprobs"):
         body["top_logprobs"] = options.top_logprobs
+    body.update(_tool_fields(request))
+    if request.HasField("enable_thinking"):
+        body["chat_template_kwargs"] = {"enable_thinking": request.enable_thinking}
     return parse_schema(ChatCompletionRequest, body)
+
+
+def _tool_fields(request: pb.ChatRequest) -> dict[str, Any]:
+    """HTTP Chat's `tools`, `tool_choice` and `parallel_tool_calls` for what `request` sets."""
+    fields: dict[str, Any] = {}
+    if request.tools:
+        fields["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description or None,
+                    "parameters": _json(tool.parameters_json, f"tools[{index}].parameters_json")
+                    if tool.parameters_json
+                    else None,
+                    "strict": tool.strict,
+                },
+            }
+            for index, tool in enumerate(request.tools)
+        ]
+    if request.HasField("tool_choice"):
+        choice = request.tool_choice
+        mode = pb.ToolChoice.Mode.Name(choice.mode).lower()
+        fields["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}} if mode == "named" else mode
+        )
+        if choice.disable_parallel:
+            fields["parallel_tool_calls"] = False
+    return fields
+
+
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequestError(f"{param} is not JSON", param=param) from None
 
 
 def completion_request(request: pb.TextGenerateRequest, served_model: str) -> CompletionRequest:
@@ -99,6 +139,17 @@ def _message(message: pb.ChatMessage) -> dict[str, Any]:
     fields: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.name:
         fields["name"] = message.name
+    if message.tool_calls:
+        fields["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments_json},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        fields["tool_call_id"] = message.tool_call_id
     return fields
 
 

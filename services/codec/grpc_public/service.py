@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -28,13 +28,24 @@ from opentelemetry.trace import SpanKind
 
 from services.codec.admission.auth import rpc_tenant
 from services.codec.admission.errors import AdmissionRefusedError, OverloadedError, RateLimitedError
+from services.codec.admission.gate import SamplingSource
 from services.codec.admission.tenancy import open_tenant
 from services.codec.errors import describe, is_expected
-from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
+from services.codec.generation import SampleFinished, TextDelta, Usage
 from services.codec.grpc_public.requests import chat_request, completion_request
 from services.codec.metrics import STATUS_CLIENT_CLOSED, RequestStats
 from services.codec.middleware import log_access, new_request_ids
-from services.codec.protocols.schemas.openai import SamplingFields
+from services.codec.protocols.output import (
+    AssistantEvent,
+    Constrained,
+    OutputPlan,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallStarted,
+    assistant_events,
+    is_tool_finish,
+    prepare,
+)
 from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
 from services.codec.text.prompts import encode_prompt
@@ -69,12 +80,13 @@ ResponseT = TypeVar("ResponseT", pb.ChatResponse, pb.TextGenerateResponse)
 class PreparedRequest:
     """A request read, checked and tokenized: what admission needs."""
 
-    fields: SamplingFields
+    fields: SamplingSource
     prompt_token_ids: list[int]
     max_tokens: int | None
     logprobs: int | None
     prompt_param: str
     session_key: str = ""
+    plan: OutputPlan = field(default_factory=OutputPlan)
 
 
 class InferenceServicer(public_pb2_grpc.InferenceServicer):
@@ -102,12 +114,14 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
             body = chat_request(request, state.identity.model_name)
         state.check_model(body.model)
         body.check_supported()
-        template = state.require_chat_template()
         messages = body.template_messages()
-        prompt_ids = await state.encoder.chat(template, messages)
+        prompt_ids, plan = await prepare(
+            state, messages, tools=body.toolset(), thinking=body.thinking(), constraint=body.constraint()
+        )
         key = session_key(header=session_id, model=state.identity.model_name, messages=messages)
+        fields = Constrained(body, plan.constraint)
         return PreparedRequest(
-            body, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages", key
+            fields, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages", key, plan
         )
 
     async def _prepare_generate(
@@ -189,7 +203,8 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         )
         generation = await gate.start(tenant.tenant_id, generation_request, stats)
         try:
-            async with aclosing(response_messages(generation, response_cls)) as messages:
+            events = assistant_events(generation, prepared.plan)
+            async with aclosing(response_messages(events, response_cls)) as messages:
                 async for message in messages:
                     await context.write(message)
         finally:
@@ -203,7 +218,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
 
 
 async def response_messages(
-    generation: GenerationStream, response_cls: type[ResponseT]
+    generation: AsyncIterable[AssistantEvent], response_cls: type[ResponseT]
 ) -> AsyncGenerator[ResponseT, None]:
     """Stream messages for a generation's events. A sample's finish message is held until the next
     event, so that the last one also carries the usage (which follows the last sample's finish)."""
@@ -224,16 +239,23 @@ async def response_messages(
                 text=event.text,
                 logprobs=[logprob_message(item) for item in event.logprobs],
             )
-        else:
+        elif isinstance(event, SampleFinished):
             held = response_cls(index=event.index, finish=finish_message(event))
+        elif isinstance(event, ReasoningDelta):
+            yield pb.ChatResponse(index=event.index, reasoning=event.text)  # type: ignore[misc]
+        elif isinstance(event, ToolCallStarted):
+            call = pb.ToolCallDelta(call_index=event.call_index, id=event.call_id, name=event.name)
+            yield pb.ChatResponse(index=event.index, tool_calls=[call])  # type: ignore[misc]
+        elif isinstance(event, ToolCallDelta):
+            call = pb.ToolCallDelta(call_index=event.call_index, arguments=event.fragment)
+            yield pb.ChatResponse(index=event.index, tool_calls=[call])  # type: ignore[misc]
     if held is not None:
         yield held
 
 
 def finish_message(event: SampleFinished) -> pb.SampleFinish:
-    return pb.SampleFinish(
-        reason=_FINISH_REASONS[event.reason], matched_stop=event.stop or "", num_tokens=event.num_tokens
-    )
+    reason = pb.SampleFinish.TOOL_CALLS if is_tool_finish(event) else _FINISH_REASONS[event.reason]
+    return pb.SampleFinish(reason=reason, matched_stop=event.stop or "", num_tokens=event.num_tokens)
 
 
 def usage_message(usage: Usage) -> pb.Usage:

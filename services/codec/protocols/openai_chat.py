@@ -17,15 +17,25 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
+from services.codec.generation import SampleFinished, TextDelta, Usage
 from services.codec.protocols.common import (
-    CollectedSample,
     Envelope,
     admit_and_start,
-    collect_unless_gone,
     open_route,
     stream_response,
     usage_body,
+)
+from services.codec.protocols.output import (
+    AssistantEvent,
+    CollectedOutput,
+    Constrained,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallStarted,
+    assistant_events,
+    collect_output_unless_gone,
+    is_tool_finish,
+    prepare,
 )
 from services.codec.protocols.schemas.openai import ChatCompletionRequest
 from services.codec.protocols.sse import DONE, encode_event
@@ -42,12 +52,14 @@ router = APIRouter()
 async def create_chat_completion(request: Request) -> Response:
     state, stats, body = await open_route(request, ChatCompletionRequest, PROTOCOL)
     messages = body.template_messages()
-    prompt_ids = await state.encoder.chat(state.require_chat_template(), messages)
+    prompt_ids, plan = await prepare(
+        state, messages, tools=body.toolset(), thinking=body.thinking(), constraint=body.constraint()
+    )
     generation = await admit_and_start(
         request,
         state,
         stats,
-        body,
+        Constrained(body, plan.constraint),
         prompt_ids,
         max_tokens=body.requested_max_tokens,
         logprobs=body.num_top_logprobs,
@@ -64,39 +76,75 @@ async def create_chat_completion(request: Request) -> Response:
     )
     num_samples = body.n or 1
     if body.is_stream:
-        events = _chunks(generation, envelope, num_samples, body.include_usage)
+        events = _chunks(assistant_events(generation, plan), envelope, num_samples, body.include_usage)
         return stream_response(request, stats, generation, events)
-    samples, usage = await collect_unless_gone(request, generation, num_samples)
+    samples, usage = await collect_output_unless_gone(request, generation, plan, num_samples)
     return JSONResponse(_completion_body(envelope, samples, usage, body.logprobs is True))
 
 
 def _completion_body(
-    envelope: Envelope, samples: list[CollectedSample], usage: Usage, with_logprobs: bool
+    envelope: Envelope, samples: list[CollectedOutput], usage: Usage, with_logprobs: bool
 ) -> dict[str, Any]:
     choices = [
         {
             "index": index,
-            "message": {"role": "assistant", "content": sample.text, "refusal": None},
+            "message": _message(sample),
             "logprobs": _logprobs(sample.logprobs) if with_logprobs else None,
-            "finish_reason": sample.finish.reason.value if sample.finish else "stop",
+            "finish_reason": _finish_reason(sample.finish) or "stop",
         }
         for index, sample in enumerate(samples)
     ]
     return envelope.wrap(choices, usage=usage_body(usage))
 
 
+def _message(sample: CollectedOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": sample.text, "refusal": None}
+    if sample.calls:
+        message["content"] = sample.text or None
+        message["tool_calls"] = [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in sample.calls
+        ]
+    if sample.reasoning_parts:
+        message["reasoning_content"] = sample.reasoning
+    return message
+
+
+def _finish_reason(finish: SampleFinished | None) -> str | None:
+    if finish is None:
+        return None
+    return "tool_calls" if is_tool_finish(finish) else finish.reason.value
+
+
 async def _chunks(
-    generation: GenerationStream, envelope: Envelope, num_samples: int, include_usage: bool
+    events: AsyncIterator[AssistantEvent], envelope: Envelope, num_samples: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
     roles = [_choice(index, {"role": "assistant", "content": ""}) for index in range(num_samples)]
     yield encode_event(envelope.wrap(roles))
-    async for event in generation:
+    async for event in events:
         if isinstance(event, TextDelta):
             logprobs = _logprobs(event.logprobs) if event.logprobs else None
             yield encode_event(envelope.wrap([_choice(event.index, {"content": event.text}, logprobs)]))
+        elif isinstance(event, ReasoningDelta):
+            yield encode_event(envelope.wrap([_choice(event.index, {"reasoning_content": event.text})]))
+        elif isinstance(event, ToolCallStarted):
+            call = {
+                "index": event.call_index,
+                "id": event.call_id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+            yield encode_event(envelope.wrap([_choice(event.index, {"tool_calls": [call]})]))
+        elif isinstance(event, ToolCallDelta):
+            call = {"index": event.call_index, "function": {"arguments": event.fragment}}
+            yield encode_event(envelope.wrap([_choice(event.index, {"tool_calls": [call]})]))
         elif isinstance(event, SampleFinished):
             yield encode_event(envelope.wrap([_choice(event.index, {}, None, event)]))
-        elif include_usage:
+        elif isinstance(event, Usage) and include_usage:
             yield encode_event(envelope.wrap([], usage=usage_body(event)))
     yield DONE
 
@@ -107,7 +155,7 @@ def _choice(
     logprobs: dict[str, Any] | None = None,
     finish: SampleFinished | None = None,
 ) -> dict[str, Any]:
-    reason = finish.reason.value if finish is not None else None
+    reason = _finish_reason(finish)
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 

@@ -1,17 +1,30 @@
 """OpenAI Responses: `POST /v1/responses` (non-streamed and streamed), `GET` and `DELETE /v1/responses/{id}`.
 
 The prompt is `instructions` (a system message, never carried over), then the stored conversation of
-`previous_response_id` (its earlier turns, input and output), then `input`, through the chat template.
-Every response object carries the 32 keys of the Open Responses schema, on the final object and on
-each lifecycle event. Stream sequence (`event:` equals the data's `type`; `sequence_number` from 0):
+`previous_response_id` (its earlier turns, input and output, function calls and their outputs
+included), then `input`, through the chat template (the tool-aware one, text/assistant.py, when tools
+are offered or the conversation holds calls). Function tools and `reasoning` go through the shared
+output plan (protocols/output.py): the prompt, the grammar that forces or forbids a call and bounds
+thinking, and the split of the output into reasoning, text and calls. Every response object carries
+the 32 keys of the Open Responses schema, on the final object and on each lifecycle event. Stream
+sequence (`event:` equals the data's `type`; `sequence_number` from 0):
 
     response.created, response.in_progress        status in_progress, output []
-    response.output_item.added                    the message item, in_progress, no content
-    response.content_part.added                   an empty output_text part
-    response.output_text.delta                    once per text delta
-    response.output_text.done, response.content_part.done, response.output_item.done
+    then per output item, in the order they appear (items in openai_responses_events.py):
+      message:   response.output_item.added (in_progress, no content), response.content_part.added (an
+                 empty output_text part), response.output_text.delta per text delta,
+                 response.output_text.done, response.content_part.done, response.output_item.done
+      reasoning: response.output_item.added, response.reasoning_text.delta per piece,
+                 response.reasoning_text.done, response.output_item.done
+      function_call: response.output_item.added (arguments "", in_progress),
+                 response.function_call_arguments.delta per fragment,
+                 response.function_call_arguments.done, response.output_item.done
     response.completed | response.incomplete       (max_output_tokens or the context was hit)
     data: [DONE]
+
+A reply without tools or thinking is one message, opened before its first delta. A call does not change
+the response's status (completed: the client runs the function and answers with a
+`function_call_output` item, usually with `previous_response_id`).
 
 A failure after the first byte sends `error`, then `response.failed`, then `data: [DONE]`. A response
 is stored (for GET and continuation) when it completes or is incomplete, unless `store` is false; a store
@@ -23,6 +36,7 @@ mode): unknown or another tenant's response IDs are a 404.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -40,13 +54,16 @@ from services.codec.errors import (
     WireError,
     error_response,
 )
-from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
-from services.codec.protocols.common import admit_and_start, collect_unless_gone, open_route, stream_response
-from services.codec.protocols.openai_responses_events import Lifecycle, ResponseDraft
-from services.codec.protocols.schemas.responses import ResponsesRequest
+from services.codec.generation import GenerationStream, SampleFinished, Usage
+from services.codec.protocols.common import admit_and_start, open_route, stream_response
+from services.codec.protocols.disconnect import unless_client_leaves
+from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
+from services.codec.protocols.output import AssistantEvent, Constrained, OutputPlan, assistant_events, prepare
+from services.codec.protocols.schemas.responses import ResponsesRequest, call_ids_of
 from services.codec.response_store import ResponseStore, StoredResponse, store_from_config
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.state import CodecState
+from services.codec.text.chat_template import ChatTemplate
 from services.common.config import ResponsesConfig
 from services.common.errors import InvalidRequestError
 
@@ -94,13 +111,21 @@ async def create_response(request: Request) -> Response:
     except PreviousResponseNotFoundError as exc:
         return _not_found(str(exc), exc.param, "previous_response_not_found")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    prompt_ids = await state.encoder.chat(state.require_chat_template(), system + history)
+    tools = body.toolset()
+    prompt_ids, plan = await prepare(
+        state,
+        system + history,
+        tools=tools,
+        thinking=body.thinking(),
+        constraint=body.constraint(),
+        template=_template_for_calls(state, history),
+    )
     try:
         generation = await admit_and_start(
             request,
             state,
             stats,
-            body.sampling_fields(),
+            Constrained(body.sampling_fields(), plan.constraint),
             prompt_ids,
             max_tokens=body.max_output_tokens,
             logprobs=None,
@@ -116,15 +141,17 @@ async def create_response(request: Request) -> Response:
         )
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None
-    draft = ResponseDraft.new(body, state.identity.model_name)
+    draft = ResponseDraft.new(body, state.identity.model_name, thinks=state.assistant.can_think)
+    output = OutputItems(draft, plain=plan.is_plain)
     keeper = _Keeper(store if body.is_stored else None, tenant, draft.response_id, history, generation, state)
     if body.is_stream:
-        lifecycle = Lifecycle(draft)
-        events = _events(generation, lifecycle, keeper)
+        lifecycle = Lifecycle(draft, output)
+        events = _events(assistant_events(generation, plan), lifecycle, keeper)
         return stream_response(request, stats, generation, events, lifecycle.failed)
-    samples, usage = await collect_unless_gone(request, generation, 1)
-    final = draft.final(samples[0].text, samples[0].finish, usage)
-    await keeper.keep(final, samples[0].text)
+    finish, usage = await _collect_unless_gone(request, generation, plan, output)
+    output.finish(finish)
+    final = draft.final(output.bodies(), finish, usage)
+    await keeper.keep(final, output)
     return JSONResponse(final)
 
 
@@ -145,16 +172,26 @@ async def delete_response(request: Request, response_id: str) -> Response:
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-async def _history(store: ResponseStore, tenant: str, body: ResponsesRequest) -> list[dict[str, str]]:
-    """The conversation without instructions: the previous response's stored one, then `input`."""
-    history: list[dict[str, str]] = []
+async def _history(store: ResponseStore, tenant: str, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation without instructions: the previous response's stored one, then `input` (whose
+    function_call_output items may answer the stored conversation's calls)."""
+    history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = await store.get(tenant, body.previous_response_id)
         if previous is None:
             message = f"Previous response with id {body.previous_response_id!r} not found."
             raise PreviousResponseNotFoundError(message, param="previous_response_id")
         history = list(previous.conversation)
-    return history + body.input_messages()
+    return history + body.input_messages(call_ids_of(history))
+
+
+def _template_for_calls(state: CodecState, history: list[dict[str, Any]]) -> ChatTemplate | None:
+    """The tool-aware template when the conversation holds calls or their results, even if this request
+    offers no tools (a follow-up that only answers a call): a template that ignores tools would drop
+    them from the prompt. None: `prepare` chooses by the request's tools."""
+    if any(message.get("tool_calls") or message.get("role") == "tool" for message in history):
+        return state.assistant.tools_template
+    return None
 
 
 def _not_found(message: str, param: str | None, code: str) -> Response:
@@ -176,17 +213,17 @@ class _Keeper:
     store: ResponseStore | None
     tenant: str
     response_id: str
-    history: list[dict[str, str]]
+    history: list[dict[str, Any]]
     generation: GenerationStream
     state: CodecState
 
-    async def keep(self, final: dict[str, Any], text: str) -> None:
+    async def keep(self, final: dict[str, Any], output: OutputItems) -> None:
         """Never fails the response: the generation happened, so a store that fails is logged and
         counted. The generation's slot and quota are given back first, so a slow store holds neither."""
         if self.store is None:
             return
         await self.generation.aclose()
-        conversation = [*self.history, {"role": "assistant", "content": text}]
+        conversation = [*self.history, assistant_message(output)]
         try:
             await self.store.put(self.tenant, StoredResponse(self.response_id, final, conversation))
         except Exception as exc:
@@ -197,22 +234,74 @@ class _Keeper:
             )
 
 
+def assistant_message(output: OutputItems) -> dict[str, Any]:
+    """The response's output as one chat-template assistant turn: its text, then its calls (their
+    arguments as objects where they parse). Reasoning is left out, as thinking templates drop it."""
+    message: dict[str, Any] = {"role": "assistant", "content": output.message_text()}
+    calls = output.calls()
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.text)},
+            }
+            for call in calls
+        ]
+    return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def _collect(
+    events: AsyncIterator[AssistantEvent], output: OutputItems
+) -> tuple[SampleFinished | None, Usage]:
+    finish: SampleFinished | None = None
+    usage = Usage(0, 0, 0)
+    async for event in events:
+        if isinstance(event, SampleFinished):
+            finish = event
+        elif isinstance(event, Usage):
+            usage = event
+        else:
+            output.add(event)
+    return finish, usage
+
+
+async def _collect_unless_gone(
+    request: Request, generation: GenerationStream, plan: OutputPlan, output: OutputItems
+) -> tuple[SampleFinished | None, Usage]:
+    """The whole output into `output`; if the client leaves first, the generation is aborted."""
+    try:
+        return await unless_client_leaves(
+            request.receive, lambda: _collect(assistant_events(generation, plan), output)
+        )
+    finally:
+        await generation.aclose()
+
+
 async def _events(
-    generation: GenerationStream, lifecycle: Lifecycle, keeper: _Keeper
+    events: AsyncIterator[AssistantEvent], lifecycle: Lifecycle, keeper: _Keeper
 ) -> AsyncIterator[bytes]:
     for chunk in lifecycle.opening():
         yield chunk
     finish: SampleFinished | None = None
     usage = Usage(0, 0, 0)
-    async for event in generation:
-        if isinstance(event, TextDelta):
-            if event.text:
-                yield lifecycle.delta(event.text)
-        elif isinstance(event, SampleFinished):
+    async for event in events:
+        if isinstance(event, SampleFinished):
             finish = event
-        else:
+        elif isinstance(event, Usage):
             usage = event
-    final = lifecycle.draft.final(lifecycle.text, finish, usage)
-    await keeper.keep(final, lifecycle.text)
-    for chunk in lifecycle.closing(final):
+        else:
+            for chunk in lifecycle.add(event):
+                yield chunk
+    ending = lifecycle.end_items(finish)
+    final = lifecycle.draft.final(lifecycle.output.bodies(), finish, usage)
+    await keeper.keep(final, lifecycle.output)
+    for chunk in [*ending, *lifecycle.closing(final)]:
         yield chunk

@@ -40,10 +40,15 @@ def encode_chat(
     *,
     add_generation_prompt: bool = True,
     max_bytes: int | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """The template writes the special tokens, so the text is encoded without adding any."""
+    """The template writes the special tokens, so the text is encoded without adding any. `tools` and
+    `variables` (e.g. `enable_thinking`) reach the template as its variables."""
     with metrics.time_stage("template"):
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **dict(variables or {})
+        )
     check_text_bytes(text, max_bytes, "messages")
     with metrics.time_stage("tokenize"):
         return tokenizer.encode(text, add_special_tokens=False)
@@ -106,6 +111,8 @@ class PromptEncoder:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         work = functools.partial(
             encode_chat,
@@ -115,6 +122,8 @@ class PromptEncoder:
             self.metrics,
             add_generation_prompt=add_generation_prompt,
             max_bytes=self.max_bytes,
+            tools=tools,
+            variables=variables,
         )
         return await anyio.to_thread.run_sync(work, limiter=self.limiter)
 

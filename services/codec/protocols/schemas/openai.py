@@ -15,6 +15,7 @@ Fields fall in three groups:
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,10 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.codec.errors import UnsupportedParameterError
 from services.codec.protocols.schemas import structured
 from services.codec.protocols.schemas.structured import StructuredOutputs
+from services.codec.text.reasoning import Thinking
 from services.codec.text.stop_strings import MAX_STOP_STRING_CHARS
+from services.codec.text.tool_calls import Tool, ToolChoice, ToolChoiceMode, ToolSet
 from services.common.errors import InvalidRequestError
 from services.common.grammar import Constraint
 from services.common.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+
+# `reasoning_effort` as a thinking budget in tokens, on a model with a thinking mode (none/minimal: off).
+REASONING_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -50,30 +56,51 @@ class ContentPart(Strict):
     refusal: str | None = None
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: Any = None
     audio: Any = None
 
-    def to_template(self, index: int) -> dict[str, Any]:
-        """The message as the chat template sees it: `developer` becomes `system`, text parts join."""
+    def to_template(self, index: int, call_ids: set[str]) -> dict[str, Any]:
+        """The message as the chat template sees it: `developer` becomes `system`, text parts join, an
+        assistant's calls keep their arguments as objects. `call_ids`: the calls made so far (a tool
+        message must answer one of them)."""
         where = f"messages[{index}]"
-        if self.role == "tool" or self.tool_call_id is not None:
-            raise UnsupportedParameterError(
-                "tool messages need tool calling, which is not supported yet", where
-            )
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(self, name):
-                raise UnsupportedParameterError(f"{where}.{name} is not supported yet", f"{where}.{name}")
-        message: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
-            "content": self._text(where),
-        }
+                raise UnsupportedParameterError(f"{where}.{name} is not supported", f"{where}.{name}")
+        if self.role == "tool":
+            if self.tool_call_id not in call_ids:
+                raise InvalidRequestError(
+                    f"{where} answers tool call {self.tool_call_id!r}, which no assistant message made",
+                    f"{where}.tool_call_id",
+                )
+            return {"role": "tool", "content": self._text(where), "tool_call_id": self.tool_call_id}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        if self.role == "assistant" and self.tool_calls:
+            message["content"] = self._text(where) if self.content is not None else ""
+            message["tool_calls"] = [
+                _template_call(call, f"{where}.tool_calls[{n}]") for n, call in enumerate(self.tool_calls)
+            ]
+            call_ids.update(call.id for call in self.tool_calls)
+        else:
+            message["content"] = self._text(where)
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -92,6 +119,61 @@ class ChatMessage(Strict):
                 raise InvalidRequestError(f"{param}.text is required", param=f"{param}.text")
             texts.append(part.text)
         return "\n".join(texts)
+
+
+def _template_call(call: ToolCall, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequestError(
+            f"{where}.function.arguments is not JSON", f"{where}.function.arguments"
+        ) from None
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _allowed_name(tool: dict[str, Any]) -> str:
+    """An allowed_tools entry's tool name: `{"type": "function", "function": {"name"}}` (Chat's shape) or
+    `{"type": "function", "name"}` (Responses')."""
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else tool.get("name")
+    if tool.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequestError("allowed_tools.tools holds function tools by name", "tool_choice")
+    return name
+
+
+class AllowedTools(Strict):
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+class AllowedToolsChoice(Strict):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
 
 
 class SamplingFields(Strict):
@@ -201,9 +283,10 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: Any = None
     functions: Any = None
     function_call: Any = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     response_format: structured.ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's; `enable_thinking` is honoured
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -221,10 +304,7 @@ class ChatCompletionRequest(SamplingFields):
         self._check_shared()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise UnsupportedParameterError("tool calling is not supported yet", "tools")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise UnsupportedParameterError("tool calling is not supported yet", "tool_choice")
+        self.toolset()
         if self.functions is not None or self.function_call is not None:
             name = "functions" if self.functions is not None else "function_call"
             raise UnsupportedParameterError("function calling is not supported", name)
@@ -243,7 +323,46 @@ class ChatCompletionRequest(SamplingFields):
         )
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [message.to_template(index) for index, message in enumerate(self.messages)]
+        call_ids: set[str] = set()
+        return [message.to_template(index, call_ids) for index, message in enumerate(self.messages)]
+
+    def toolset(self) -> ToolSet | None:
+        """The offered tools and the choice; a 400 for a tool or a choice that cannot be honoured."""
+        if not self.tools and self.tool_choice in (None, "none", "auto"):
+            return None
+        tools = tuple(
+            Tool(
+                tool.function.name,
+                tool.function.parameters if tool.function.parameters is not None else {"type": "object"},
+                tool.function.description,
+                bool(tool.function.strict),
+            )
+            for tool in self.tools or ()
+        )
+        return ToolSet(tools, self._tool_choice(tools), "tools", "tool_choice")
+
+    def _tool_choice(self, tools: tuple[Tool, ...]) -> ToolChoice:
+        parallel = self.parallel_tool_calls is not False
+        choice = self.tool_choice
+        if choice is None:
+            return ToolChoice(ToolChoiceMode.AUTO, parallel=parallel)
+        if isinstance(choice, str):
+            return ToolChoice(ToolChoiceMode(choice), parallel=parallel)
+        if isinstance(choice, NamedToolChoice):
+            return ToolChoice(ToolChoiceMode.NAMED, choice.function.name, parallel=parallel)
+        allowed = tuple(_allowed_name(tool) for tool in choice.allowed_tools.tools)
+        return ToolChoice(ToolChoiceMode(choice.allowed_tools.mode), parallel=parallel, allowed=allowed)
+
+    def thinking(self) -> Thinking | None:
+        """`chat_template_kwargs.enable_thinking` (vLLM) and `reasoning_effort` (its budget)."""
+        kwargs = self.chat_template_kwargs or {}
+        enabled = kwargs.get("enable_thinking")
+        if self.reasoning_effort in ("none", "minimal"):
+            enabled = False
+        budget = REASONING_BUDGETS.get(self.reasoning_effort or "")
+        if enabled is None and budget is None:
+            return None
+        return Thinking(enabled is not False, budget)
 
 
 class CompletionRequest(SamplingFields):

@@ -21,7 +21,8 @@ class TokenizeChatRequest(Strict):
     add_generation_prompt: bool = True
 
     def template_messages(self) -> list[dict[str, object]]:
-        return [message.to_template(index) for index, message in enumerate(self.messages)]
+        call_ids: set[str] = set()
+        return [message.to_template(index, call_ids) for index, message in enumerate(self.messages)]
 
 
 class DetokenizeRequest(Strict):

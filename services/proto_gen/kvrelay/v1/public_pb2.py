@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/public.proto\x12\nkvrelay.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xea\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\r\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.kvrelay.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x0f\n\r_top_logprobsB\r\n\x0b_min_tokens\"\xbf\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x36\n\x06\x63hoice\x18\x04 \x01(\x0b\x32$.kvrelay.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\tB\x06\n\x04kind\"v\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvrelay.v1.SamplingOptions\"}\n\x13TextGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvrelay.v1.SamplingOptions\"\xbf\x01\n\rOutputLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12;\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32%.kvrelay.v1.OutputLogprob.Alternative\x1a?\n\x0b\x41lternative\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"\xa1\x01\n\x0cSampleFinish\x12/\n\x06reason\x18\x01 \x01(\x0e\x32\x1f.kvrelay.v1.SampleFinish.Reason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"6\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x01\n\x0c\x43hatResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.kvrelay.v1.OutputLogprob\x12(\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x18.kvrelay.v1.SampleFinish\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\xac\x01\n\x14TextGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.kvrelay.v1.OutputLogprob\x12(\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x18.kvrelay.v1.SampleFinish\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage2\x99\x01\n\tInference\x12;\n\x04\x43hat\x12\x17.kvrelay.v1.ChatRequest\x1a\x18.kvrelay.v1.ChatResponse0\x01\x12O\n\x08Generate\x12\x1f.kvrelay.v1.TextGenerateRequest\x1a .kvrelay.v1.TextGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/public.proto\x12\nkvrelay.v1\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.kvrelay.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\x94\x01\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.kvrelay.v1.ToolChoice.Mode\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x18\n\x10\x64isable_parallel\x18\x03 \x01(\x08\"3\n\x04Mode\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0c\n\x08REQUIRED\x10\x02\x12\t\n\x05NAMED\x10\x03\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"P\n\rToolCallDelta\x12\x12\n\ncall_index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xea\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\r\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.kvrelay.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x0f\n\r_top_logprobsB\r\n\x0b_min_tokens\"\xbf\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x36\n\x06\x63hoice\x18\x04 \x01(\x0b\x32$.kvrelay.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\tB\x06\n\x04kind\"\xf6\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvrelay.v1.SamplingOptions\x12\x1f\n\x05tools\x18\x04 \x03(\x0b\x32\x10.kvrelay.v1.Tool\x12+\n\x0btool_choice\x18\x05 \x01(\x0b\x32\x16.kvrelay.v1.ToolChoice\x12\x1c\n\x0f\x65nable_thinking\x18\x06 \x01(\x08H\x00\x88\x01\x01\x42\x12\n\x10_enable_thinking\"}\n\x13TextGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvrelay.v1.SamplingOptions\"\xbf\x01\n\rOutputLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12;\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32%.kvrelay.v1.OutputLogprob.Alternative\x1a?\n\x0b\x41lternative\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"\xb1\x01\n\x0cSampleFinish\x12/\n\x06reason\x18\x01 \x01(\x0e\x32\x1f.kvrelay.v1.SampleFinish.Reason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"F\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0e\n\nTOOL_CALLS\x10\x03\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xe6\x01\n\x0c\x43hatResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.kvrelay.v1.OutputLogprob\x12(\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x18.kvrelay.v1.SampleFinish\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12-\n\ntool_calls\x18\x06 \x03(\x0b\x32\x19.kvrelay.v1.ToolCallDelta\x12\x11\n\treasoning\x18\x07 \x01(\t\"\xac\x01\n\x14TextGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.kvrelay.v1.OutputLogprob\x12(\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x18.kvrelay.v1.SampleFinish\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage2\x99\x01\n\tInference\x12;\n\x04\x43hat\x12\x17.kvrelay.v1.ChatRequest\x1a\x18.kvrelay.v1.ChatResponse0\x01\x12O\n\x08Generate\x12\x1f.kvrelay.v1.TextGenerateRequest\x1a .kvrelay.v1.TextGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.public_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=39
-  _globals['_CHATMESSAGE']._serialized_end=97
-  _globals['_SAMPLINGOPTIONS']._serialized_start=100
-  _globals['_SAMPLINGOPTIONS']._serialized_end=718
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=721
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=912
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=879
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=904
-  _globals['_CHATREQUEST']._serialized_start=914
-  _globals['_CHATREQUEST']._serialized_end=1032
-  _globals['_TEXTGENERATEREQUEST']._serialized_start=1034
-  _globals['_TEXTGENERATEREQUEST']._serialized_end=1159
-  _globals['_OUTPUTLOGPROB']._serialized_start=1162
-  _globals['_OUTPUTLOGPROB']._serialized_end=1353
-  _globals['_OUTPUTLOGPROB_ALTERNATIVE']._serialized_start=1290
-  _globals['_OUTPUTLOGPROB_ALTERNATIVE']._serialized_end=1353
-  _globals['_SAMPLEFINISH']._serialized_start=1356
-  _globals['_SAMPLEFINISH']._serialized_end=1517
-  _globals['_SAMPLEFINISH_REASON']._serialized_start=1463
-  _globals['_SAMPLEFINISH_REASON']._serialized_end=1517
-  _globals['_USAGE']._serialized_start=1519
-  _globals['_USAGE']._serialized_end=1599
-  _globals['_CHATRESPONSE']._serialized_start=1602
-  _globals['_CHATRESPONSE']._serialized_end=1766
-  _globals['_TEXTGENERATERESPONSE']._serialized_start=1769
-  _globals['_TEXTGENERATERESPONSE']._serialized_end=1941
-  _globals['_INFERENCE']._serialized_start=1944
-  _globals['_INFERENCE']._serialized_end=2097
+  _globals['_CHATMESSAGE']._serialized_end=161
+  _globals['_TOOL']._serialized_start=163
+  _globals['_TOOL']._serialized_end=245
+  _globals['_TOOLCHOICE']._serialized_start=248
+  _globals['_TOOLCHOICE']._serialized_end=396
+  _globals['_TOOLCHOICE_MODE']._serialized_start=345
+  _globals['_TOOLCHOICE_MODE']._serialized_end=396
+  _globals['_TOOLCALL']._serialized_start=398
+  _globals['_TOOLCALL']._serialized_end=458
+  _globals['_TOOLCALLDELTA']._serialized_start=460
+  _globals['_TOOLCALLDELTA']._serialized_end=540
+  _globals['_SAMPLINGOPTIONS']._serialized_start=543
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1161
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1164
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1355
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=1322
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=1347
+  _globals['_CHATREQUEST']._serialized_start=1358
+  _globals['_CHATREQUEST']._serialized_end=1604
+  _globals['_TEXTGENERATEREQUEST']._serialized_start=1606
+  _globals['_TEXTGENERATEREQUEST']._serialized_end=1731
+  _globals['_OUTPUTLOGPROB']._serialized_start=1734
+  _globals['_OUTPUTLOGPROB']._serialized_end=1925
+  _globals['_OUTPUTLOGPROB_ALTERNATIVE']._serialized_start=1862
+  _globals['_OUTPUTLOGPROB_ALTERNATIVE']._serialized_end=1925
+  _globals['_SAMPLEFINISH']._serialized_start=1928
+  _globals['_SAMPLEFINISH']._serialized_end=2105
+  _globals['_SAMPLEFINISH_REASON']._serialized_start=2035
+  _globals['_SAMPLEFINISH_REASON']._serialized_end=2105
+  _globals['_USAGE']._serialized_start=2107
+  _globals['_USAGE']._serialized_end=2187
+  _globals['_CHATRESPONSE']._serialized_start=2190
+  _globals['_CHATRESPONSE']._serialized_end=2420
+  _globals['_TEXTGENERATERESPONSE']._serialized_start=2423
+  _globals['_TEXTGENERATERESPONSE']._serialized_end=2595
+  _globals['_INFERENCE']._serialized_start=2598
+  _globals['_INFERENCE']._serialized_end=2751
 # @@protoc_insertion_point(module_scope)
