@@ -141,7 +141,7 @@ def _end_request_span(span: Span, scope: Scope, stats: RequestStats, status: int
 
 
 def _request_ids(scope: Scope) -> tuple[str, str]:
-    return new_request_ids(_header(scope, REQUEST_ID_HEADER))
+    return new_request_ids(header(scope, REQUEST_ID_HEADER))
 
 
 def new_request_ids(given: str | None) -> tuple[str, str]:
@@ -156,7 +156,8 @@ def new_request_ids(given: str | None) -> tuple[str, str]:
     return inward, inward
 
 
-def _header(scope: Scope, name: str) -> str | None:
+def header(scope: Scope, name: str) -> str | None:
+    """An ASGI scope's header `name` (lower case), the first if repeated; None when absent."""
     wanted = name.encode("latin-1")
     for key, value in scope.get("headers", ()):
         if key.lower() == wanted:
@@ -165,7 +166,7 @@ def _header(scope: Scope, name: str) -> str | None:
 
 
 def _content_length(scope: Scope) -> int | None:
-    value = _header(scope, "content-length")
+    value = header(scope, "content-length")
     if value is None or not value.strip().isdigit():
         return None
     return int(value)

@@ -53,8 +53,9 @@ async def tokenize(request: Request) -> JSONResponse:
     if "messages" in data:
         chat = parse_schema(TokenizeChatRequest, data)
         state.check_model(chat.model)
-        template = state.require_chat_template()
         messages = chat.template_messages()
+        # a history with tool calls or results renders as chat requests render it (text/assistant.py)
+        template = state.assistant.template_for(None, messages) or state.require_chat_template()
         token_ids = await state.encoder.chat(
             template, messages, add_generation_prompt=chat.add_generation_prompt
         )

@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.codec.admission.tenancy import CALL_TENANT, Tenant, cache_salt, open_tenant
 from services.codec.errors import AuthenticationError, describe, error_response
 from services.codec.metrics import CodecMetrics, RequestStats
+from services.codec.middleware import header
 from services.common.config import AuthConfig
 from services.common.errors import ConfigError
 
@@ -307,7 +308,7 @@ class AuthMiddleware:
             return
         state = scope.setdefault("state", {})
         try:
-            tenant = self.authenticator.authenticate(_header(scope, AUTHORIZATION), _header(scope, X_API_KEY))
+            tenant = self.authenticator.authenticate(header(scope, AUTHORIZATION), header(scope, X_API_KEY))
         except AuthenticationError as exc:
             self.metrics.observe_auth_failure(exc.reason)
             await error_response(describe(exc))(scope, receive, send)
@@ -317,11 +318,3 @@ class AuthMiddleware:
             stats = state["stats"] = RequestStats(request_id=str(state.get("request_id", "")))
         stats.identify(tenant)
         await self.app(scope, receive, send)
-
-
-def _header(scope: Scope, name: str) -> str | None:
-    wanted = name.encode("latin-1")
-    for key, value in scope.get("headers", ()):
-        if key.lower() == wanted:
-            return bytes(value).decode("latin-1")
-    return None
