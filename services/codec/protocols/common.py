@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -42,6 +42,7 @@ class RouteBody(Protocol):
 
 
 BodyT = TypeVar("BodyT", bound=RouteBody)
+T = TypeVar("T")
 
 
 async def open_route(
@@ -172,8 +173,16 @@ async def collect_unless_gone(
     request: Request, generation: GenerationStream, num_samples: int
 ) -> tuple[list[CollectedSample], Usage]:
     """The whole result; if the client leaves first, the generation is aborted (ClientClosedError)."""
+    return await run_unless_gone(request, generation, lambda: collect(generation, num_samples))
+
+
+async def run_unless_gone(
+    request: Request, generation: GenerationStream, work: Callable[[], Awaitable[T]]
+) -> T:
+    """`work` (reading `generation` to its end) unless the client leaves first (ClientClosedError);
+    either way the generation is closed, which aborts it if it still runs."""
     try:
-        return await unless_client_leaves(request.receive, lambda: collect(generation, num_samples))
+        return await unless_client_leaves(request.receive, work)
     finally:
         await generation.aclose()
 

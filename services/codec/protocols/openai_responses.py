@@ -55,8 +55,7 @@ from services.codec.errors import (
     error_response,
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
-from services.codec.protocols.common import admit_and_start, open_route, stream_response
-from services.codec.protocols.disconnect import unless_client_leaves
+from services.codec.protocols.common import admit_and_start, open_route, run_unless_gone, stream_response
 from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
 from services.codec.protocols.output import AssistantEvent, Constrained, OutputPlan, assistant_events, prepare
 from services.codec.protocols.schemas.responses import ResponsesRequest, call_ids_of
@@ -277,12 +276,9 @@ async def _collect_unless_gone(
     request: Request, generation: GenerationStream, plan: OutputPlan, output: OutputItems
 ) -> tuple[SampleFinished | None, Usage]:
     """The whole output into `output`; if the client leaves first, the generation is aborted."""
-    try:
-        return await unless_client_leaves(
-            request.receive, lambda: _collect(assistant_events(generation, plan), output)
-        )
-    finally:
-        await generation.aclose()
+    return await run_unless_gone(
+        request, generation, lambda: _collect(assistant_events(generation, plan), output)
+    )
 
 
 async def _events(

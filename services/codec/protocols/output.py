@@ -23,7 +23,7 @@ from fastapi import Request
 
 from services.codec.admission.gate import SamplingSource
 from services.codec.generation import GenerationEvent, GenerationStream, SampleFinished, TextDelta, Usage
-from services.codec.protocols.disconnect import unless_client_leaves
+from services.codec.protocols.common import run_unless_gone
 from services.codec.state import CodecState
 from services.codec.text.chat_template import ChatTemplate
 from services.codec.text.reasoning import (
@@ -292,9 +292,6 @@ async def collect_output_unless_gone(
     request: Request, generation: GenerationStream, plan: OutputPlan, num_samples: int
 ) -> tuple[list[CollectedOutput], Usage]:
     """The whole split result; if the client leaves first, the generation is aborted (ClientClosedError)."""
-    try:
-        return await unless_client_leaves(
-            request.receive, lambda: collect_output(assistant_events(generation, plan), num_samples)
-        )
-    finally:
-        await generation.aclose()
+    return await run_unless_gone(
+        request, generation, lambda: collect_output(assistant_events(generation, plan), num_samples)
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.codec.text.tool_calls import partial_suffix
+from services.codec.text.stop_strings import partial_match_len
 from services.common.errors import InvalidRequestError
 from services.common.grammar import GrammarKind, GrammarSpec
 
@@ -95,7 +95,7 @@ class ReasoningParser:
             self._held = ""
             self._done = True
             return pieces + self.push(rest)
-        keep = partial_suffix(self._held, END)
+        keep = partial_match_len(self._held, (END,))
         if len(self._held) > keep:
             pieces.append(ReasoningPiece(self._held[: len(self._held) - keep]))
             self._held = self._held[len(self._held) - keep :]

@@ -79,11 +79,16 @@ class StopStringMatcher:
         return end - len(stop), stop
 
     def _partial_match_len(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return partial_match_len(buffer, self._stops)
+
+
+def partial_match_len(buffer: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `buffer` that is a proper prefix of some marker: the text to
+    hold back while it could still become one (stop strings, tool call and thinking markers)."""
+    longest = 0
+    for marker in markers:
+        for length in range(min(len(marker) - 1, len(buffer)), longest, -1):
+            if buffer.endswith(marker[:length]):
+                longest = length
+                break
+    return longest

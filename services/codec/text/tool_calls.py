@@ -37,6 +37,7 @@ from typing import Any
 
 import jsonschema
 
+from services.codec.text.stop_strings import partial_match_len
 from services.common.errors import InvalidRequestError
 from services.common.grammar import GrammarKind, GrammarSpec
 
@@ -340,7 +341,7 @@ class CallParser:
             self._opening = start  # what began this call, given back if it turns out to be text
             self._streamer = None
             return True
-        keep = partial_suffix(self._held, start)
+        keep = partial_match_len(self._held, (start,))
         if len(self._held) > keep:
             events.append(TextPiece(self._held[: len(self._held) - keep]))
             self._held = self._held[len(self._held) - keep :]
@@ -460,14 +461,6 @@ class _ArgumentStreamer:
             fragment = fragment.lstrip()  # whitespace before the arguments' first brace is no part of them
         self.sent += fragment
         return [CallArguments(self.call_index, fragment)] if fragment else []
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class JsonPlace(StrEnum):
