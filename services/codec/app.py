@@ -12,8 +12,14 @@ from services.codec.admission.auth import Authenticator, AuthMiddleware
 from services.codec.backend.protocol import Backend
 from services.codec.errors import install_error_handlers
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from services.codec.protocols import anthropic_messages, openai_chat, openai_completions
+from services.codec.protocols import (
+    anthropic_messages,
+    openai_chat,
+    openai_completions,
+    openai_responses_compact,
+)
 from services.codec.protocols.openai_responses import install_responses
+from services.codec.protocols.openai_responses_ws import ResponsesWebSocketMiddleware, WebSocketHub
 from services.codec.routes_health import kvrelay_version
 from services.codec.state import CodecIdentity, CodecState
 from services.codec.text.tokenizer import Tokenizer
@@ -62,7 +68,12 @@ def create_app(
         app.include_router(module.router)
     app.include_router(anthropic_messages.router)
     install_responses(app, config.responses)
+    app.include_router(openai_responses_compact.router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
-    app.add_middleware(RequestContextMiddleware, metrics=state.metrics)  # added last: outermost
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
+    # Outermost: each WebSocket turn comes back in through the whole HTTP stack above.
+    hub = WebSocketHub(config.responses.websocket, config.server.max_connections, state.metrics)
+    app.state.responses_ws = hub
+    app.add_middleware(ResponsesWebSocketMiddleware, hub=hub, authenticator=authenticator)
     return app

@@ -16,7 +16,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from services.codec.admission.tenancy import DEFAULT_TENANT, Tenant
 from services.common import tracing
@@ -128,6 +135,22 @@ class CodecMetrics:
             "kvrelay_codec_response_store_errors_total",
             "Stored-Responses store failures by operation (put: a finished response was not stored).",
             ["operation"],
+            registry=self.registry,
+        )
+        self.websocket_connections = Gauge(
+            "kvrelay_codec_websocket_connections",
+            "Open Responses WebSocket connections.",
+            registry=self.registry,
+        )
+        self.websocket_responses = Histogram(
+            "kvrelay_codec_websocket_responses_per_connection",
+            "Responses made on a Responses WebSocket connection, observed when it closes.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=self.registry,
+        )
+        self.compactions = Counter(
+            "kvrelay_codec_compactions_total",
+            "Conversations compacted by /v1/responses/compact.",
             registry=self.registry,
         )
         self.prompt_tokens = Counter(

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import math
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from prometheus_client import start_http_server
@@ -30,10 +32,11 @@ from services.codec.admission.auth import Authenticator
 from services.codec.app import create_app
 from services.codec.backend.protocol import Backend
 from services.codec.grpc_public.server import PublicGrpcServer
+from services.codec.protocols.openai_responses_ws import WebSocketHub
 from services.codec.state import CodecIdentity
 from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
-from services.common.config import KvrelayConfig, TlsConfig, load_config
+from services.common.config import KvrelayConfig, TlsConfig, WebSocketConfig, load_config
 from services.common.errors import ConfigError
 from services.common.logs import configure_logging
 from services.common.manifest import load_verified_manifest
@@ -73,14 +76,28 @@ class CodecServer(uvicorn.Server):
     """uvicorn whose shutdown also starts draining the public gRPC server, so both drain at once; the
     app's lifespan then waits for that drain before it closes the backend."""
 
-    def __init__(self, config: uvicorn.Config, public_grpc: PublicGrpcServer | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, public_grpc: PublicGrpcServer | None, grace_s: float = DEFAULT_GRACE_S
+    ) -> None:
         super().__init__(config)
         self.public_grpc = public_grpc
+        self.grace_s = grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.public_grpc is not None:
             self.public_grpc.begin_stop()
+        # Responses WebSockets first: each finishes its response in flight, then gets an error event
+        # and close 1001 (uvicorn's own shutdown would cut them with 1012).
+        hub = _websocket_hub(self.config.app)
+        if hub is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hub.drain(), self.grace_s)
         await super().shutdown(sockets)
+
+
+def _websocket_hub(app: object) -> WebSocketHub | None:
+    hub = getattr(getattr(app, "state", None), "responses_ws", None)
+    return hub if isinstance(hub, WebSocketHub) else None
 
 
 async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
@@ -110,6 +127,7 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         access_log=False,
         lifespan="on",
         limit_concurrency=config.server.max_connections,  # past it: a 503 at once, no work done
+        **websocket_settings(config.responses.websocket),
     )
     if config.server.metrics_port is not None:  # its own port: the API port answers /metrics with 404
         start_http_server(
@@ -128,9 +146,20 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
     )
     tracing.setup_tracing(config.tracing, "codec")
     try:
-        await CodecServer(server_config, public_grpc).serve()
+        await CodecServer(server_config, public_grpc, options.grace_s).serve()
     finally:
         tracing.shutdown_tracing()  # export the spans still buffered
+
+
+def websocket_settings(config: WebSocketConfig) -> dict[str, Any]:
+    """uvicorn's WebSocket settings for the Responses socket (openai_responses_ws.py)."""
+    return {
+        "ws": "websockets-sansio",
+        "ws_max_size": config.max_frame_bytes,
+        "ws_ping_interval": config.ping_interval_s,
+        "ws_ping_timeout": config.ping_timeout_s,
+        "ws_per_message_deflate": False,  # compressing frames costs CPU per token; events are small
+    }
 
 
 def check_open_mode(authenticator: Authenticator, host: str, *, allow_open: bool) -> None:

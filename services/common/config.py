@@ -138,6 +138,20 @@ class QuotasConfig(_Section):
     tenants: dict[str, TenantQuota] = Field(default_factory=dict)
 
 
+class WebSocketConfig(_Section):
+    """The Responses API over WebSocket (`/v1/responses`, services/codec/protocols/openai_responses_ws.py)."""
+
+    # `response.create` messages waiting behind the one in flight; past it the turn is refused (429).
+    max_queued: int = Field(default=4, ge=0, le=1024)
+    # The Open Responses specification limits a connection to 60 minutes.
+    max_lifetime_s: float = Field(default=3600.0, gt=0)
+    # Well below the idle timeouts of the chart ingress (proxy-read-timeout 3600 s) and of common cloud
+    # load balancers (60 s), so an idle socket is never cut by a proxy.
+    ping_interval_s: float = Field(default=20.0, gt=0)
+    ping_timeout_s: float = Field(default=20.0, gt=0)
+    max_frame_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger: closed with 1009
+
+
 class ResponsesConfig(_Section):
     """Stored Responses (/v1/responses with store: true). No redis_url: one codec's memory."""
 
@@ -149,6 +163,12 @@ class ResponsesConfig(_Section):
     max_per_tenant: int = Field(default=10_000, gt=0)  # the oldest beyond this are dropped
     max_bytes_per_tenant: int = Field(default=256 * 1024 * 1024, gt=0)  # likewise, by stored size
     socket_timeout_ms: int = Field(default=1000, gt=0)  # a silent Redis costs a request at most this
+    # /v1/responses/compact seals its summary with AES-256-GCM. The file (the chart mounts it from a
+    # Secret) holds lines `<key_id>:<base64 of 32 bytes>`: the first seals, every one opens (rotation).
+    # None: one random key per process, so a compacted item opens only on the codec that made it.
+    compaction_keys_file: str | None = None
+    compaction_max_output_tokens: int = Field(default=512, gt=0)  # the summary the model writes
+    websocket: WebSocketConfig = WebSocketConfig()
 
 
 class LoggingConfig(_Section):

@@ -1,6 +1,7 @@
 """Golden SSE transcripts for `POST /v1/responses`: a fixed fake token stream must give exactly these
 bytes (written by hand from the Responses streaming lifecycle in protocols.md §2.3, IDs and timestamps
-replaced by placeholders), and the same bytes must pass the openai SDK's strict parser."""
+replaced by placeholders); every event validates against the Open Responses schemas, and the same bytes
+pass the openai SDK's strict parser (which raises `APIError` at a failed stream's `error` event)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from services.codec.text.tokenizer import Tokenizer
+from tests import openresponses_schemas as spec
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted
 
 pytestmark = pytest.mark.model
@@ -64,12 +66,13 @@ def part(text: str) -> str:
 
 
 def message(status: str, content: str) -> str:
+    """A plain reply's message: no call can follow it, so it is the final answer from the start."""
     return (
         '{"type":"message","id":"msg_ID","status":"'
         + status
         + '","role":"assistant","content":'
         + content
-        + "}"
+        + ',"phase":"final_answer"}'
     )
 
 
@@ -145,11 +148,18 @@ GOLDEN_INCOMPLETE = (
 )
 
 FAILURE = "generation failed in the serving stack (request golden-1)"
+ERROR_PAYLOAD = '{"type":"server_error","code":"server_error","message":"' + FAILURE + '","param":null}'
 GOLDEN_FAILED = (
     OPENING
     + delta(4, "Hello")
     + delta(5, " world")
-    + event("error", '"sequence_number":6,"code":"server_error","message":"' + FAILURE + '","param":null')
+    + event(
+        "error",
+        '"sequence_number":6,"code":"server_error","message":"'
+        + FAILURE
+        + '","param":null,"error":'
+        + ERROR_PAYLOAD,
+    )
     + event(
         "response.failed",
         '"sequence_number":7,"response":'
@@ -196,8 +206,8 @@ async def transcript(client: httpx.AsyncClient, body: dict[str, Any], **headers:
 
 
 def check_sequence(text: str) -> None:
-    """Each event's `event:` equals its `type`, sequence numbers count up from 0, and every lifecycle
-    event's response has the 32 keys."""
+    """Each event's `event:` equals its `type`, sequence numbers count up from 0, every event validates
+    against its Open Responses schema, and every lifecycle event's response has the 32 keys."""
     numbers = []
     for block in text.strip().split("\n\n"):
         lines = block.split("\n")
@@ -205,6 +215,7 @@ def check_sequence(text: str) -> None:
             continue
         data = json.loads(lines[1].removeprefix("data: "))
         assert lines[0] == f"event: {data['type']}"
+        spec.validate_stream_event(data)
         numbers.append(data["sequence_number"])
         if "response" in data:
             assert set(data["response"]) == RESPONSE_KEYS
@@ -263,12 +274,13 @@ async def test_mid_stream_failure_is_error_then_response_failed(
     fake.script = scripted([[HELLO, WORLD, BANG]])
     fake.fail_after = 2
     assert await transcript(client, {}, **{"x-request-id": "golden-1"}) == GOLDEN_FAILED
-    events = list(replay(GOLDEN_FAILED).responses.create(model=MODEL_NAME, input="hi", stream=True))
-    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
-    failed = events[-1]
-    assert failed.type == "response.failed"
-    assert failed.response.status == "failed"
-    assert failed.response.error is not None and failed.response.error.code == "server_error"
+    # The SDK raises at an event with an `error` object (the spec's error event has one).
+    seen = []
+    with pytest.raises(openai.APIError) as raised:
+        for sdk_event in replay(GOLDEN_FAILED).responses.create(model=MODEL_NAME, input="hi", stream=True):
+            seen.append(sdk_event.type)
+    assert seen[-1] == "response.output_text.delta"
+    assert raised.value.message == FAILURE and raised.value.body == json.loads(ERROR_PAYLOAD)
 
 
 async def test_failed_stream_is_not_stored(client: httpx.AsyncClient, fake: FakeBackend) -> None:

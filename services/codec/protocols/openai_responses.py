@@ -14,8 +14,9 @@ sequence (`event:` equals the data's `type`; `sequence_number` from 0):
       message:   response.output_item.added (in_progress, no content), response.content_part.added (an
                  empty output_text part), response.output_text.delta per text delta,
                  response.output_text.done, response.content_part.done, response.output_item.done
-      reasoning: response.output_item.added, response.reasoning_text.delta per piece,
-                 response.reasoning_text.done, response.output_item.done
+      reasoning: response.output_item.added, response.content_part.added (an empty reasoning_text
+                 part), response.reasoning.delta per piece, response.reasoning.done,
+                 response.content_part.done, response.output_item.done
       function_call: response.output_item.added (arguments "", in_progress),
                  response.function_call_arguments.delta per fragment,
                  response.function_call_arguments.done, response.output_item.done
@@ -26,7 +27,10 @@ A reply without tools or thinking is one message, opened before its first delta.
 the response's status (completed: the client runs the function and answers with a
 `function_call_output` item, usually with `previous_response_id`).
 
-A failure after the first byte sends `error`, then `response.failed`, then `data: [DONE]`. A response
+A failure after the first byte sends `error` (the specification's `error` payload, plus OpenAI's
+top-level `code`, `message`, `param`), then `response.failed`, then `data: [DONE]`. The same events
+go over a WebSocket (openai_responses_ws.py), whose turns come here as HTTP requests carrying the
+connection's ConnectionResponses; `/v1/responses/compact` is openai_responses_compact.py. A response
 is stored (for GET and continuation) when it completes or is incomplete, unless `store` is false; a store
 that fails then is logged and counted (kvrelay_codec_response_store_errors_total), never the response's
 failure. Where a stored record is needed (previous_response_id, GET, DELETE) a failed store is a 503.
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -56,6 +61,7 @@ from services.codec.errors import (
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
 from services.codec.protocols.common import admit_and_start, open_route, run_unless_gone, stream_response
+from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
 from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
 from services.codec.protocols.output import AssistantEvent, Constrained, OutputPlan, assistant_events, prepare
 from services.codec.protocols.schemas.responses import ResponsesRequest, call_ids_of
@@ -67,6 +73,8 @@ from services.common.config import ResponsesConfig
 from services.common.errors import InvalidRequestError
 
 PROTOCOL = "responses"
+CONNECTION_STATE = "responses_connection"  # the scope state key of a WebSocket turn's ConnectionResponses
+CONNECTION_RESPONSES = 4  # how many of its latest responses a connection keeps for continuation
 logger = logging.getLogger(__name__)
 
 
@@ -86,9 +94,16 @@ router = APIRouter(lifespan=_lifespan)
 
 
 def install_responses(app: FastAPI, config: ResponsesConfig, store: ResponseStore | None = None) -> None:
-    """Adds the routes and their response store (`store_from_config` unless given) to `app`."""
+    """Adds the routes, their response store (`store_from_config` unless given) and the keys that seal
+    compacted items to `app`."""
     app.state.responses_store = store if store is not None else store_from_config(config, os.environ)
+    app.state.compaction_keys = CompactionKeys.from_file(config.compaction_keys_file)
     app.include_router(router)
+
+
+def compaction_keys(app: FastAPI) -> CompactionKeys:
+    keys: CompactionKeys = app.state.compaction_keys
+    return keys
 
 
 def tenant_of(request: Request) -> str:
@@ -106,9 +121,9 @@ async def create_response(request: Request) -> Response:
     state, stats, body = await open_route(request, ResponsesRequest, PROTOCOL)
     store, tenant = response_store(request.app), tenant_of(request)
     try:
-        history = await _history(store, tenant, body)
+        history = await history_of(request, body, model=state.identity.model_name)
     except PreviousResponseNotFoundError as exc:
-        return _not_found(str(exc), exc.param, "previous_response_not_found")
+        return not_found(str(exc), exc.param, "previous_response_not_found")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools = body.toolset()
     prompt_ids, plan = await prepare(
@@ -142,7 +157,15 @@ async def create_response(request: Request) -> Response:
         raise _renamed_max_tokens(exc) from None
     draft = ResponseDraft.new(body, state.identity.model_name, thinks=state.assistant.can_think)
     output = OutputItems(draft, plain=plan.is_plain)
-    keeper = _Keeper(store if body.is_stored else None, tenant, draft.response_id, history, generation, state)
+    keeper = _Keeper(
+        store if body.is_stored else None,
+        tenant,
+        draft.response_id,
+        history,
+        generation,
+        state,
+        connection_responses(request),
+    )
     if body.is_stream:
         lifecycle = Lifecycle(draft, output)
         events = _events(assistant_events(generation, plan), lifecycle, keeper)
@@ -160,28 +183,72 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
         raise UnsupportedParameterError("streaming a stored response is not supported", "stream")
     record = await response_store(request.app).get(tenant_of(request), response_id)
     if record is None:
-        return _not_found(f"Response with id {response_id!r} not found.", None, "not_found")
+        return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
     return JSONResponse(record.body)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
     if not await response_store(request.app).delete(tenant_of(request), response_id):
-        return _not_found(f"Response with id {response_id!r} not found.", None, "not_found")
+        return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-async def _history(store: ResponseStore, tenant: str, body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation without instructions: the previous response's stored one, then `input` (whose
-    function_call_output items may answer the stored conversation's calls)."""
+async def history_of(request: Request, body: ResponsesRequest, *, model: str) -> list[dict[str, Any]]:
+    """The conversation without instructions: the previous response's (from the WebSocket connection's
+    own responses first, then the store), then `input` (whose function_call_output items may answer
+    the earlier conversation's calls, and whose compaction items open into their summaries)."""
+    tenant = tenant_of(request)
     history: list[dict[str, Any]] = []
-    if body.previous_response_id is not None:
-        previous = await store.get(tenant, body.previous_response_id)
-        if previous is None:
-            message = f"Previous response with id {body.previous_response_id!r} not found."
+    previous_id = body.previous_response_id
+    if previous_id is not None:
+        local = connection_responses(request)
+        conversation = local.get(tenant, previous_id) if local is not None else None
+        if conversation is None:
+            previous = await response_store(request.app).get(tenant, previous_id)
+            conversation = previous.conversation if previous is not None else None
+        if conversation is None:
+            message = f"Previous response with id {previous_id!r} not found."
             raise PreviousResponseNotFoundError(message, param="previous_response_id")
-        history = list(previous.conversation)
-    return history + body.input_messages(call_ids_of(history))
+        history = list(conversation)
+    keys = compaction_keys(request.app)
+
+    def open_compaction(blob: str, param: str) -> str:
+        try:
+            return str(keys.open(blob, tenant=tenant, model=model)["summary"])
+        except CompactionRejectedError as exc:
+            exc.param = param
+            raise
+
+    return history + body.input_messages(call_ids_of(history), open_compaction)
+
+
+class ConnectionResponses:
+    """The latest responses made on one WebSocket connection, stored or not: a continuation with
+    `store: false` finds its conversation here (Open Responses: connection-local state). Dropped with
+    the socket; a failed continuation evicts what it continued from."""
+
+    def __init__(self, capacity: int = CONNECTION_RESPONSES) -> None:
+        self._capacity = capacity
+        self._conversations: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
+
+    def get(self, tenant: str, response_id: str) -> list[dict[str, Any]] | None:
+        kept = self._conversations.get(response_id)
+        return kept[1] if kept is not None and kept[0] == tenant else None
+
+    def put(self, tenant: str, response_id: str, conversation: list[dict[str, Any]]) -> None:
+        self._conversations[response_id] = (tenant, conversation)
+        while len(self._conversations) > self._capacity:
+            self._conversations.popitem(last=False)
+
+    def evict(self, response_id: str) -> None:
+        self._conversations.pop(response_id, None)
+
+
+def connection_responses(request: Request) -> ConnectionResponses | None:
+    """The WebSocket connection's responses when this request is one of its turns (openai_responses_ws.py)."""
+    local = request.scope.get("state", {}).get(CONNECTION_STATE)
+    return local if isinstance(local, ConnectionResponses) else None
 
 
 def _template_for_calls(state: CodecState, history: list[dict[str, Any]]) -> ChatTemplate | None:
@@ -193,7 +260,7 @@ def _template_for_calls(state: CodecState, history: list[dict[str, Any]]) -> Cha
     return None
 
 
-def _not_found(message: str, param: str | None, code: str) -> Response:
+def not_found(message: str, param: str | None, code: str) -> Response:
     return error_response(WireError(404, message, INVALID_REQUEST, param, code))
 
 
@@ -215,14 +282,17 @@ class _Keeper:
     history: list[dict[str, Any]]
     generation: GenerationStream
     state: CodecState
+    local: ConnectionResponses | None = None  # a WebSocket turn's connection keeps it too
 
     async def keep(self, final: dict[str, Any], output: OutputItems) -> None:
         """Never fails the response: the generation happened, so a store that fails is logged and
         counted. The generation's slot and quota are given back first, so a slow store holds neither."""
+        conversation = [*self.history, assistant_message(output)]
+        if self.local is not None:
+            self.local.put(self.tenant, self.response_id, conversation)
         if self.store is None:
             return
         await self.generation.aclose()
-        conversation = [*self.history, assistant_message(output)]
         try:
             await self.store.put(self.tenant, StoredResponse(self.response_id, final, conversation))
         except Exception as exc:

@@ -9,11 +9,39 @@ which stream events each step makes; the non-streamed route builds its output wi
 agree. `Lifecycle` owns the streaming state (the next `sequence_number`) and encodes each event with
 `event:` equal to the data's `type`. The sequence is documented in openai_responses.py.
 
+Every object and event validates against the Open Responses schemas (the specification vendored in
+`../shared/reference/openresponses`; tests/unit/test_responses_openresponses_schema.py checks each one).
+
 Items:
 
     reasoning      {"type": "reasoning", "id": "rs_…", "summary": [], "content": [reasoning_text]}
-    message        {"type": "message", "id": "msg_…", "status", "role": "assistant", "content": [output_text]}
+    message        {"type": "message", "id": "msg_…", "status", "role": "assistant", "content": [output_text],
+                    "phase"}
     function_call  {"type": "function_call", "id": "fc_…", "call_id", "name", "arguments", "status"}
+
+An `output_text` part always carries `annotations` (none here) and `logprobs` (not offered: empty).
+
+`phase` labels an assistant message as intermediate `commentary` or the `final_answer` (the specification
+asks clients to resend it with the message when they continue a conversation; input messages may carry it).
+A message is `commentary` when another item follows it in the same response (text before a function call:
+"Let me check." then the call), and `final_answer` when it ends the output (a plain reply; the answer after
+reasoning; the text of a response cut by max_output_tokens, still meant as the answer). Which it is shows
+when the message ends, so a response that may call a tool (function tools offered, tool_choice not "none")
+states `phase` from the message's `response.output_item.done` on, not on its `response.output_item.added`,
+nor on a message still open when the response fails; one that cannot call has only final answers and states
+it from the start.
+
+Streamed content is backed by a content part, as the specification asks: a message's output_text and a
+reasoning item's reasoning_text each open with `response.content_part.added` and close with
+`response.content_part.done`. Reasoning text streams as `response.reasoning.delta` and
+`response.reasoning.done`, the specification's events (OpenAI's API names them
+`response.reasoning_text.*`, which the specification does not define; the openai SDK's strict parser
+rejects the specification's names, its default parser passes them through).
+
+The `error` event carries the specification's `error` payload (`type`, `code`, `message`, `param`) and,
+beside it, the same `code`, `message` and `param` at the top level, OpenAI's shape, for clients written
+against that. (The openai SDK raises `APIError` on any stream event with an `error` object, so its users
+see a failed stream as that exception.)
 
 An item ends when the next one starts (completed), or at the end of the output (incomplete when the
 response is cut by max_output_tokens); a call ends when its arguments do (incomplete when they are not
@@ -80,16 +108,22 @@ class ResponseDraft:
             reasoning,
         )
 
-    def message(self, status: str, text: str | None, message_id: str | None = None) -> dict[str, Any]:
-        """An output message item; `text` None means no content part yet."""
+    def message(
+        self, status: str, text: str | None, message_id: str | None = None, *, phase: str | None = None
+    ) -> dict[str, Any]:
+        """An output message item; `text` None means no content part yet; `phase` None: not known yet
+        (left out, as the schema allows)."""
         content = [] if text is None else [text_part(text)]
-        return {
+        item: dict[str, Any] = {
             "type": "message",
             "id": message_id or self.message_id,
             "status": status,
             "role": "assistant",
             "content": content,
         }
+        if phase is not None:
+            item["phase"] = phase
+        return item
 
     def final(
         self, output: list[dict[str, Any]], finish: SampleFinished | None, usage: Usage
@@ -140,7 +174,7 @@ class ResponseDraft:
             "frequency_penalty": 0.0,
             "top_logprobs": 0,
             "reasoning": self.reasoning,
-            "text": self.request.text_body(),
+            "text": text_echo(self.request.text_body()),
             "tools": request.tools_body(),
             "tool_choice": request.tool_choice or "auto",
             "parallel_tool_calls": request.parallel_tool_calls is not False,
@@ -153,6 +187,22 @@ class ResponseDraft:
         }
 
 
+def can_call(request: ResponsesRequest) -> bool:
+    """Whether the response may call a function (so a message's phase shows only when it ends)."""
+    return bool(request.tools_body()) and request.tool_choice != "none"
+
+
+def text_echo(text: dict[str, Any]) -> dict[str, Any]:
+    """The response's `text` with a json_schema format's `description` and `strict` always present (the
+    schema requires both; null and false when the request left them out)."""
+    text_format = text.get("format")
+    if not isinstance(text_format, dict) or text_format.get("type") != "json_schema":
+        return text
+    filled = {**text_format, "description": text_format.get("description")}
+    filled["strict"] = bool(text_format.get("strict"))
+    return {**text, "format": filled}
+
+
 def is_cut(finish: SampleFinished | None) -> bool:
     return finish is not None and finish.reason == FinishReason.LENGTH
 
@@ -163,6 +213,16 @@ def text_part(text: str) -> dict[str, Any]:
 
 def reasoning_part(text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text}
+
+
+def error_payload(error: WireError) -> dict[str, Any]:
+    """The `error` event's payload (the schema's ErrorPayload: all four keys, code and param nullable)."""
+    return {
+        "type": error.type,
+        "code": error.code or error.type,
+        "message": error.message,
+        "param": error.param,
+    }
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -186,6 +246,7 @@ class _Item:
     name: str = ""
     parts: list[str] = field(default_factory=list)
     status: str | None = None  # set when it ends
+    phase: str | None = None  # a message's, once known (see the module docstring)
 
     @property
     def text(self) -> str:
@@ -193,7 +254,7 @@ class _Item:
 
     def body(self, draft: ResponseDraft, status: str, *, opening: bool = False) -> dict[str, Any]:
         if self.kind == "message":
-            return draft.message(status, None if opening else self.text, self.item_id)
+            return draft.message(status, None if opening else self.text, self.item_id, phase=self.phase)
         if self.kind == "reasoning":
             content = [] if opening else [reasoning_part(self.text)]
             return {"type": "reasoning", "id": self.item_id, "summary": [], "content": content}
@@ -214,6 +275,7 @@ class OutputItems:
     def __init__(self, draft: ResponseDraft, *, plain: bool) -> None:
         self._draft = draft
         self._plain = plain
+        self._can_call = can_call(draft.request)
         self._items: list[_Item] = []
         self._open: _Item | None = None
         self._messages = 0
@@ -232,7 +294,7 @@ class OutputItems:
         if isinstance(event, ReasoningDelta):
             return self._reasoning(event.text) if event.text else []
         if isinstance(event, ToolCallStarted):
-            out = self._close_open("completed")
+            out = self._close_open("completed", followed=True)
             out += self._open_item("function_call", call_id=event.call_id, name=event.name)
             return out
         if isinstance(event, ToolCallDelta):
@@ -260,7 +322,7 @@ class OutputItems:
         out: list[StreamEvent] = []
         if not self._items:
             out += self._open_item("message")
-        out += self._close_open("incomplete" if is_cut(finish) else "completed")
+        out += self._close_open("incomplete" if is_cut(finish) else "completed", followed=False)
         return out
 
     def bodies(self, *, open_status: str = "incomplete") -> list[dict[str, Any]]:
@@ -278,7 +340,7 @@ class OutputItems:
     def _text(self, text: str) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self._open is None or self._open.kind != "message":
-            out += self._close_open("completed")
+            out += self._close_open("completed", followed=True)
             out += self._open_item("message")
         item = self._open
         assert item is not None
@@ -289,12 +351,12 @@ class OutputItems:
     def _reasoning(self, text: str) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self._open is None or self._open.kind != "reasoning":
-            out += self._close_open("completed")
+            out += self._close_open("completed", followed=True)
             out += self._open_item("reasoning")
         item = self._open
         assert item is not None
         item.parts.append(text)
-        out.append(("response.reasoning_text.delta", {**self._text_place(item), "delta": text}))
+        out.append(("response.reasoning.delta", {**self._text_place(item), "delta": text}))
         return out
 
     def _open_item(self, kind: str, *, call_id: str = "", name: str = "") -> list[StreamEvent]:
@@ -305,6 +367,8 @@ class OutputItems:
         else:
             item_id = new_id(FUNCTION_CALL_ID_PREFIX if kind == "function_call" else REASONING_ID_PREFIX)
         item = _Item(kind, item_id, len(self._items), call_id, name)
+        if kind == "message" and not self._can_call:
+            item.phase = "final_answer"  # no call can follow: every message is the answer
         self._items.append(item)
         self._open = item
         out: list[StreamEvent] = [
@@ -318,9 +382,15 @@ class OutputItems:
         ]
         if kind == "message":
             out.append(("response.content_part.added", {**self._text_place(item), "part": text_part("")}))
+        elif kind == "reasoning":
+            out.append(
+                ("response.content_part.added", {**self._text_place(item), "part": reasoning_part("")})
+            )
         return out
 
-    def _close_open(self, status: str) -> list[StreamEvent]:
+    def _close_open(self, status: str, *, followed: bool = True) -> list[StreamEvent]:
+        """Ends the open item with `status`; `followed`: another item opens after it (a message that
+        ends the output is the final answer, one followed by more is commentary)."""
         item, self._open = self._open, None
         if item is None:
             return []
@@ -328,10 +398,12 @@ class OutputItems:
         out: list[StreamEvent] = []
         place = self._text_place(item)
         if item.kind == "message":
+            item.phase = item.phase or ("commentary" if followed else "final_answer")
             out.append(("response.output_text.done", {**place, "text": item.text, "logprobs": []}))
             out.append(("response.content_part.done", {**place, "part": text_part(item.text)}))
         elif item.kind == "reasoning":
-            out.append(("response.reasoning_text.done", {**place, "text": item.text}))
+            out.append(("response.reasoning.done", {**place, "text": item.text}))
+            out.append(("response.content_part.done", {**place, "part": reasoning_part(item.text)}))
         else:
             out.append(
                 ("response.function_call_arguments.done", {**self._item_place(item), "arguments": item.text})
@@ -393,13 +465,19 @@ class Lifecycle:
 
     def failed(self, error: WireError) -> bytes:
         """`error`, then `response.failed` with the output so far, then [DONE]: one write."""
-        code = error.code or error.type
+        payload = error_payload(error)
         failed = self.draft.body(
             "failed", self.output.bodies(), error={"code": "server_error", "message": error.message}
         )
         return b"".join(
             [
-                self.event("error", code=code, message=error.message, param=error.param),
+                self.event(
+                    "error",
+                    code=payload["code"],
+                    message=error.message,
+                    param=error.param,
+                    error=payload,
+                ),
                 self.event("response.failed", response=failed),
                 DONE,
             ]

@@ -27,7 +27,7 @@
 {{- $owned := dict
       "auth" (dict "keys_file" "auth.existingSecret and auth.key" "allow_open" "auth.allowOpen")
       "quotas" (dict "redis_url" "redis.enabled or redis.external")
-      "responses" (dict "redis_url" "redis.enabled or redis.external" "key_prefix" "redis.responsesKeyPrefix")
+      "responses" (dict "redis_url" "redis.enabled or redis.external" "key_prefix" "redis.responsesKeyPrefix" "compaction_keys_file" "responses.compactionKeys.existingSecret")
       "server" (dict "metrics_port" "codec.metricsPort")
       "internal_tls" (dict "cert_file" "internalTls" "key_file" "internalTls" "ca_file" "internalTls") }}
 {{- range $section, $keys := $owned }}

@@ -70,6 +70,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 
 {{- define "kvrelay.configPath" -}}/etc/kvrelay/config/config.yaml{{- end }}
 {{- define "kvrelay.keysDir" -}}/etc/kvrelay/keys{{- end }}
+{{- define "kvrelay.compactionKeysDir" -}}/etc/kvrelay/compaction-keys{{- end }}
 {{- define "kvrelay.tokenDir" -}}/var/run/kvrelay/internal-token{{- end }}
 
 {{- define "kvrelay.tokenSecretName" -}}
@@ -264,4 +265,25 @@ lifecycle:
   preStop:
     exec:
       command: ["sleep", "{{ . }}"]
+{{- end }}
+
+{{/* A checksum of the compaction keys Secret as the cluster holds it, for the codec pods' annotation:
+     the codec reads the keys once, at start, so `helm upgrade` after a change to the Secret must roll it.
+     Empty where nothing can be looked up (`helm template`, or the Secret not created yet). */}}
+{{- define "kvrelay.compactionKeysChecksum" -}}
+{{- $ck := .Values.responses.compactionKeys }}
+{{- if $ck.existingSecret }}
+{{- $secret := lookup "v1" "Secret" .Release.Namespace $ck.existingSecret }}
+{{- with get (default dict $secret) "data" }}
+{{- get . $ck.key | sha256sum }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* True when codec pods would each seal compaction items with a key of their own: several replicas and
+     no compaction keys Secret, and nobody said that was accepted. */}}
+{{- define "kvrelay.compactionKeysSplit" -}}
+{{- $ck := .Values.responses.compactionKeys }}
+{{- $c := .Values.codec }}
+{{- if and (not $ck.existingSecret) (not $ck.allowEphemeral) (or $c.autoscaling.enabled (gt (int $c.replicas) 1)) }}true{{- end }}
 {{- end }}

@@ -17,19 +17,20 @@ fail with a 400 naming the param. Fields fall in three groups:
   UnsupportedParameterError (tools other than functions, the hosted tools' tool_choice values,
   `background: true`, `conversation`, `prompt`, `include` values, `truncation: "auto"`,
   `top_logprobs` > 0, `context_management`, `image`, `access_programs`, image/file/audio parts and
-  input items other than messages, function calls, their outputs and reasoning).
+  input items other than messages, function calls, their outputs, reasoning and compaction).
 
 Input items become chat-template messages (`input_messages`): a message as itself; consecutive
 `function_call` items one assistant message with `tool_calls` (their arguments parsed), the assistant
 message right before them if there is one (the text the model wrote before calling); a
 `function_call_output` a `tool` message, which must answer a call made earlier in `input` or in the
-stored conversation of `previous_response_id` (else a 400 naming its `call_id`).
+stored conversation of `previous_response_id` (else a 400 naming its `call_id`); a `compaction` item
+(openai_responses_compact.py) the summary it seals, at the head of the next user message.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag
@@ -51,7 +52,6 @@ OTHER_ITEM_TYPES = Literal[
     "custom_tool_call",
     "custom_tool_call_output",
     "item_reference",
-    "compaction",
     "file_search_call",
     "web_search_call",
     "computer_call",
@@ -104,7 +104,7 @@ class InputMessage(Strict):
 
     def _part_text(self, param: str, part: InputPart) -> str:
         if part.type in MEDIA_PART_TYPES:
-            raise UnsupportedParameterError(f"{part.type} content is not supported by this model", param)
+            raise UnsupportedParameterError(_media_refusal(part.type, "content"), param)
         allowed = ASSISTANT_PART_TYPES if self.role == "assistant" else (TEXT_PART_TYPES[self.role],)
         if part.type not in allowed:
             raise InvalidRequestError(
@@ -176,7 +176,7 @@ class FunctionCallOutputItem(Strict):
         for number, part in enumerate(self.output):
             param = f"{where}.output[{number}]"
             if part.type in MEDIA_PART_TYPES:
-                raise UnsupportedParameterError(f"{part.type} output is not supported by this model", param)
+                raise UnsupportedParameterError(_media_refusal(part.type, "output"), param)
             if part.type != "input_text":
                 raise InvalidRequestError(
                     f"{param}.type: {part.type!r} is not allowed in a function_call_output; use input_text",
@@ -195,6 +195,19 @@ class ReasoningItem(Strict):
     type: Literal["reasoning"]
 
 
+class CompactionItem(Strict):
+    """The window `/v1/responses/compact` returned: a summary only this server can open."""
+
+    type: Literal["compaction"]
+    encrypted_content: Annotated[str, Field(min_length=1, max_length=10 * 1024 * 1024)]
+    id: str | None = None
+    created_by: str | None = None  # accepted and ignored
+
+
+SUMMARY_HEADING = "Summary of the conversation so far:"
+OpenCompaction = Callable[[str, str], str]  # (encrypted_content, param) -> the summary, or a 400
+
+
 class OtherItem(Strict):
     """Another input item: recognised so the error says it is unsupported, then rejected."""
 
@@ -209,12 +222,14 @@ _ITEM_TAGS = {
     "function_call": "call_item",
     "function_call_output": "call_output_item",
     "reasoning": "reasoning_item",
+    "compaction": "compaction_item",
 }
 _ITEM_CLASS_TAGS: tuple[tuple[type[Strict], str], ...] = (
     (InputMessage, "message"),
     (FunctionCallItem, "call_item"),
     (FunctionCallOutputItem, "call_output_item"),
     (ReasoningItem, "reasoning_item"),
+    (CompactionItem, "compaction_item"),
     (OtherItem, "other"),
 )
 
@@ -231,6 +246,7 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("call_item")]
     | Annotated[FunctionCallOutputItem, Tag("call_output_item")]
     | Annotated[ReasoningItem, Tag("reasoning_item")]
+    | Annotated[CompactionItem, Tag("compaction_item")]
     | Annotated[OtherItem, Tag("other")],
     Discriminator(
         _item_kind,
@@ -379,16 +395,35 @@ class ResponsesRequest(Strict):
             if getattr(self, name):
                 raise UnsupportedParameterError(f"{name} is not supported", name)
 
-    def input_messages(self, earlier_call_ids: Iterable[str] = ()) -> list[dict[str, Any]]:
+    def input_messages(
+        self, earlier_call_ids: Iterable[str] = (), open_compaction: OpenCompaction | None = None
+    ) -> list[dict[str, Any]]:
         """`input` as chat-template messages (a string is one user message); `instructions` excluded.
         `earlier_call_ids`: the calls of the stored conversation this input continues, which a
-        function_call_output may answer besides the function_call items of `input` itself."""
+        function_call_output may answer besides the function_call items of `input` itself.
+        `open_compaction` opens a `compaction` item into its summary, which becomes the start of the
+        next user message (its own user message when none follows at once), so templates that insist
+        on alternating turns (Gemma's) still take it."""
+        return _with_summaries(self._input_messages(earlier_call_ids, open_compaction))
+
+    def _input_messages(
+        self, earlier_call_ids: Iterable[str], open_compaction: OpenCompaction | None
+    ) -> list[dict[str, Any]]:
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         call_ids = set(earlier_call_ids)
         messages: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] | None = None  # the open assistant message's calls
         for index, item in enumerate(self.input):
+            if isinstance(item, CompactionItem):
+                if open_compaction is None:
+                    raise UnsupportedParameterError(
+                        "compaction items are not accepted here", f"input[{index}]"
+                    )
+                summary = open_compaction(item.encrypted_content, f"input[{index}].encrypted_content")
+                messages.append({"role": "user", "content": f"{SUMMARY_HEADING}\n{summary}", _SUMMARY: True})
+                calls = None
+                continue
             if isinstance(item, OtherItem):
                 raise UnsupportedParameterError(
                     f"input items of type {item.type!r} are not supported; send messages and function calls",
@@ -529,6 +564,32 @@ def parse_allowed_tools(choice: Mapping[str, Any]) -> tuple[ToolChoiceMode, tupl
             raise InvalidRequestError(f'{param} must be {{"type": "function", "name": ...}}', param)
         names.append(tool["name"])
     return ToolChoiceMode(mode), tuple(names)
+
+
+_SUMMARY = "kvrelay_summary"  # marks an opened compaction item until _with_summaries places it
+
+
+def _with_summaries(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each opened compaction summary joined to the user message right after it (else left alone)."""
+    out: list[dict[str, Any]] = []
+    after_summary = False
+    for message in messages:
+        is_summary = bool(message.get(_SUMMARY))
+        message = {key: value for key, value in message.items() if key != _SUMMARY}
+        if after_summary and message["role"] == "user" and isinstance(message.get("content"), str):
+            out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{message['content']}"}
+        else:
+            out.append(message)
+        after_summary = is_summary
+    return out
+
+
+def _media_refusal(part_type: str, where: str) -> str:
+    """A media part on this text-only server: the error names the capability the model lacks."""
+    capability = {"input_image": "image input (vision)", "input_audio": "audio input"}.get(
+        part_type, "file input"
+    )
+    return f"this model is text-only and has no {capability}: {part_type} {where} is not supported"
 
 
 def call_ids_of(messages: Iterable[Mapping[str, Any]]) -> set[str]:
