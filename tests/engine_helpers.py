@@ -15,12 +15,19 @@ from services.engine.core import EngineCore, RequestOutput
 
 
 def make_engine(
-    model_dir: Path, dtype: str = "float32", batch_size_limit: int = 32, **engine: Any
+    model_dir: Path,
+    dtype: str = "float32",
+    batch_size_limit: int = 32,
+    weights: str = "safetensors",
+    **engine: Any,
 ) -> EngineCore:
+    """An engine over `model_dir`; `weights` (model.weights) is explicit so a test never changes path when
+    the default `auto` does."""
     cfg = load_config(None, env={})
+    model = {"path": str(model_dir), "dtype": dtype, "weights": weights}
     cfg = cfg.model_copy(
         update={
-            "model": cfg.model.model_copy(update={"path": str(model_dir), "dtype": dtype}),
+            "model": cfg.model.model_copy(update=model),
             "engine": cfg.engine.model_copy(update=engine),
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }

@@ -1,5 +1,12 @@
 """`kvrelay bench engine`: our engine against transformers' bf16 `generate`, same prompts, one run.
 
+`--weights safetensors,gguf` measures our engine once per weights setting (model.weights: the float
+safetensors, or the GGUF's blocks as stored), each a side of its own. `--peer llama.cpp PATH` also runs
+llama.cpp's `llama-bench` at PATH (scripts/build_llama_bench.sh builds it) on the same GGUF file: its
+pp<prefill> and tg<new tokens> rates are the peer's prefill and batch-1 decode. The run also measures
+this machine's read bandwidth (a sum over 1 GiB, median of 5) and from it the batch-1 decode bound of
+each of our sides: bandwidth / the bytes of weights one decode step reads.
+
 Decode rates leave prefill out on both sides: for transformers, a no-op logits processor stamps every
 step and the rate is B·(steps−1)/(t_last − t_first); for our engine, the same count over the steps after
 every sequence has its first token. Prefill is one 512-token prompt (fresh random tokens each run, so
@@ -45,6 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (not a comparison)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        help="comma-separated model.weights values, one side each (auto, safetensors, gguf)",
+    )
+    p.add_argument(
+        "--peer", nargs=2, metavar=("NAME", "PATH"), default=None, help="llama.cpp PATH-to-llama-bench"
+    )
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
     p.set_defaults(handler=run)
@@ -72,10 +87,24 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    result["kvrelay"] = measure_kvrelay(args, prompts, prefill_prompts, batches)
+    weights = args.weights.split(",")
+    result["bandwidth_gb_s"] = read_bandwidth_gb_s()
+    result["sides"] = []
+    for choice in weights:
+        side = "kvrelay" if len(weights) == 1 else f"kvrelay-{choice}"
+        result[side] = measure_kvrelay(args, prompts, prefill_prompts, batches, choice)
+        result[side]["bound_tok_s"] = result["bandwidth_gb_s"] * 1e9 / result[side]["step_weight_bytes"]
+        result["sides"].append(side)
+    if args.peer is not None:
+        result["llama.cpp"] = measure_llama_bench(args, Path(args.peer[1]))
+        result["sides"].append("llama.cpp")
     if not args.no_baseline:
         result["transformers"] = measure_baseline(args, prompts, prefill_prompts, batches)
+        result["sides"].append("transformers")
     print(format_table(*table(result, batches)))
+    for side in result["sides"]:
+        if "bound_tok_s" in result[side]:
+            print(bound_line(side, result[side], batches[0], result["bandwidth_gb_s"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
@@ -98,54 +127,130 @@ def chat_prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 
 def table(result: dict[str, Any], batches: list[int]) -> tuple[list[str], list[list[str]]]:
-    """Prefill tok/s, then decode tok/s and TTFT per batch size, per side, and our ratio to theirs."""
-    sides = [s for s in ("kvrelay", "transformers") if s in result]
-    header = ["metric", *sides] + (["ratio"] if len(sides) == 2 else [])
-    metrics: list[tuple[str, list[float], str]] = [
+    """Prefill tok/s, then decode tok/s and TTFT per batch size, per side, and the first side's ratio to
+    the last (a side without a value, llama.cpp's batches above 1, shows "-")."""
+    sides = result.get("sides") or [s for s in ("kvrelay", "transformers") if s in result]
+    header = ["metric", *sides] + (["ratio"] if len(sides) >= 2 else [])
+    metrics: list[tuple[str, list[float | None], str]] = [
         ("prefill tok/s", [result[s]["prefill_tok_s"] for s in sides], ".0f")
     ]
     for b in batches:
-        metrics.append((f"decode tok/s @{b}", [result[s]["decode"][str(b)]["tok_s"] for s in sides], ".1f"))
+        metrics.append((f"decode tok/s @{b}", [_decode(result[s], b, "tok_s") for s in sides], ".1f"))
     for b in batches:
-        metrics.append((f"TTFT ms @{b}", [result[s]["decode"][str(b)]["ttft_ms"] for s in sides], ".0f"))
+        metrics.append((f"TTFT ms @{b}", [_decode(result[s], b, "ttft_ms") for s in sides], ".0f"))
     rows = []
     for name, values, fmt in metrics:
-        row = [name, *[format(v, fmt) for v in values]]
-        if len(sides) == 2:  # from the measured values: a TTFT under 0.5 ms prints as 0
-            ours, theirs = values if not name.startswith("TTFT") else values[::-1]
-            row.append(f"{ours / theirs:.2f}x" if theirs > 0 else "n/a")
+        row = [name, *["-" if v is None else format(v, fmt) for v in values]]
+        if len(sides) >= 2:  # from the measured values: a TTFT under 0.5 ms prints as 0
+            ours, theirs = (values[0], values[-1]) if not name.startswith("TTFT") else (values[-1], values[0])
+            row.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
         rows.append(row)
     return header, rows
+
+
+def bound_line(name: str, side: dict[str, Any], batch: int, bandwidth_gb_s: float) -> str:
+    """How near the memory-bandwidth bound a side decodes at `batch`."""
+    rate, bound = side["decode"][str(batch)]["tok_s"], side["bound_tok_s"]
+    return (
+        f"{name}: decode @{batch} {rate:.1f} tok/s = {rate / bound:.0%} of the bound {bound:.0f} tok/s "
+        f"({bandwidth_gb_s:.1f} GB/s read, {side['step_weight_bytes'] / 1e6:.0f} MB of weights a step)"
+    )
+
+
+def _decode(side: dict[str, Any], batch: int, key: str) -> float | None:
+    value = side["decode"].get(str(batch), {}).get(key)
+    return None if value is None else float(value)
+
+
+def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
+    """This machine's memory read bandwidth now: a sum over `num_bytes` of fp32 (too big for any cache),
+    median of 5 after a warm-up, on torch's threads."""
+    import torch
+
+    data = torch.ones(num_bytes // 4)  # [floats]
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - t0)
+    return num_bytes / median(times[1:]) / 1e9
+
+
+def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str, Any]:
+    """llama.cpp's llama-bench on the GGUF our model directory keeps (else the one it was made from):
+    pp<prefill_tokens> and tg<new_tokens>, `args.threads` threads, 3 repetitions, its mean rates."""
+    import subprocess
+
+    from services.common.manifest import GGUF_WEIGHTS_NAME
+    from services.engine.prepare import default_gguf_path
+
+    gguf = Path(args.model) / GGUF_WEIGHTS_NAME
+    gguf = gguf if gguf.is_file() else default_gguf_path()
+    command = [
+        str(llama_bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prefill_tokens),
+        "-n", str(args.new_tokens), "-r", "3", "-o", "json",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=1800)
+    runs = json.loads(done.stdout)
+    prefill = next(r for r in runs if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    decode = next(r for r in runs if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return {
+        "prefill_tok_s": float(prefill["avg_ts"]),
+        "decode": {"1": {"tok_s": float(decode["avg_ts"])}},
+        "gguf": str(gguf),
+        "command": " ".join(command),
+        "build": str(runs[0].get("build_commit", "")),
+    }
 
 
 # -- our engine ----------------------------------------------------------------------------------------
 
 
 def measure_kvrelay(
-    args: argparse.Namespace, prompts: list[list[int]], prefill_prompts: list[list[int]], batches: list[int]
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    prefill_prompts: list[list[int]],
+    batches: list[int],
+    weights: str = "auto",
 ) -> dict[str, Any]:
-    engine = build_engine(args, max(max(batches), 1))
+    engine = build_engine(args, max(max(batches), 1), weights)
     prefill_times = []
     for i, prompt in enumerate(prefill_prompts):
         t0 = time.perf_counter()
         run_batch(engine, [prompt], 1, f"prefill{i}")
         prefill_times.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"prefill_tok_s": args.prefill_tokens / median(prefill_times[1:])}
-    out["decode"] = {}
+    model = engine.runner.model
+    out: dict[str, Any] = {
+        "prefill_tok_s": args.prefill_tokens / median(prefill_times[1:]),
+        "weights": weights,
+        "step_weight_bytes": step_weight_bytes(model),
+        "decode": {},
+    }
     for b in batches:
         out["decode"][str(b)] = run_batch(engine, prompts[:b], args.new_tokens, f"b{b}")
     return out
 
 
-def build_engine(args: argparse.Namespace, batch_size_limit: int) -> Any:
-    """An engine core for `args.model` at `args.dtype`, warmed up."""
+def step_weight_bytes(model: Any) -> int:
+    """The bytes of weights one decode step reads: every layer's projections and the LM head, as stored."""
+    from services.engine.models.llama import PROJECTIONS
+
+    matrices = [getattr(layer, name) for layer in getattr(model, "stored_layers", []) for name in PROJECTIONS]
+    matrices.append(getattr(model, "lm_head_stored", None))
+    data = [getattr(w, "data", w) for w in matrices if w is not None]
+    return sum(t.numel() * t.element_size() for t in data) or int(model.weight_bytes)
+
+
+def build_engine(args: argparse.Namespace, batch_size_limit: int, weights: str = "auto") -> Any:
+    """An engine core for `args.model` at `args.dtype` over `weights` (model.weights), warmed up."""
     from services.common.config import load_config
     from services.engine.core import EngineCore
 
     cfg = load_config(None)
+    model_update = {"path": str(args.model), "dtype": args.dtype, "weights": weights}
     cfg = cfg.model_copy(
         update={
-            "model": cfg.model.model_copy(update={"path": str(args.model), "dtype": args.dtype}),
+            "model": cfg.model.model_copy(update=model_update),
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }
     )

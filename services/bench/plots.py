@@ -58,10 +58,10 @@ def _scaled(values: Sequence[float | None], factor: float) -> list[float | None]
 def plot_engine(result: dict[str, Any], batches: list[int], path: Path) -> None:
     """Decode tok/s per batch size for each side, and prefill tok/s."""
     plt = _pyplot()
-    sides: list[str] = [s for s in ("kvrelay", "transformers") if s in result]
+    sides: list[str] = result.get("sides") or [s for s in ("kvrelay", "transformers") if s in result]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     decode: dict[str, list[float | None]] = {
-        side: [result[side]["decode"][str(b)]["tok_s"] for b in batches] for side in sides
+        side: [result[side]["decode"].get(str(b), {}).get("tok_s") for b in batches] for side in sides
     }
     _grouped_bars(ax1, [str(b) for b in batches], decode, "%.0f")
     ax1.set_xlabel("concurrent sequences")
@@ -69,7 +69,9 @@ def plot_engine(result: dict[str, Any], batches: list[int], path: Path) -> None:
     ax1.set_title(
         f"decode, {result['threads']} threads\nkvrelay: {result['precision']}; transformers: bfloat16"
     )
-    bars = ax2.bar(sides, [result[s]["prefill_tok_s"] for s in sides], color=["C0", "C1"][: len(sides)])
+    bars = ax2.bar(
+        sides, [result[s]["prefill_tok_s"] for s in sides], color=[f"C{i}" for i in range(len(sides))]
+    )
     ax2.bar_label(bars, fmt="%.0f", fontsize=8)
     ax2.set_ylabel(f"prefill tok/s ({result['prefill_tokens']}-token prompt)")
     ax2.set_title("prefill")

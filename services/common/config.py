@@ -41,6 +41,12 @@ class ModelConfig(_Section):
     # How the model writes a tool call (services/codec/text/tool_calls.py). auto: Qwen's <tool_call> tokens
     # (hermes), else Llama 3's <|python_tag|> (llama3), else the JSON form of the shipped templates (json).
     tool_call_format: Literal["auto", "json", "hermes", "llama3"] = "auto"
+    # Which weights the engine loads (services/engine/loader.py): safetensors, the prepared directory's
+    # float weights in model.dtype; gguf, the GGUF's Q4_1/Q8_0 blocks as stored (model.gguf, kept by
+    # `kvrelay models prepare`), run by the CPU kernels with fp32 activations; gguf-int8, the same with
+    # the decode kernels on int8 activations (llama.cpp's way); auto: safetensors until the blocks are
+    # faster at every batch size (loader.choose_weights).
+    weights: Literal["auto", "safetensors", "gguf", "gguf-int8"] = "auto"
 
 
 class EngineConfig(_Section):

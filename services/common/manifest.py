@@ -30,6 +30,7 @@ TOKENIZER_KIND = "kvrelay-tokenizer/v1"
 MODEL_KIND = "kvrelay-model/v1"
 CONFIG_NAME = "config.json"
 WEIGHTS_SUFFIX = ".safetensors"
+GGUF_WEIGHTS_NAME = "model.gguf"  # the GGUF a directory was prepared from, kept when its blocks can be served
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -67,8 +68,9 @@ def is_tokenizer_file(name: str) -> bool:
 
 
 def is_model_file(name: str) -> bool:
-    """config.json and weights: the files the model fingerprint covers besides the tokenizer."""
-    return name == CONFIG_NAME or name.endswith(WEIGHTS_SUFFIX)
+    """config.json and weights (the safetensors, and the GGUF kept beside them): the files the model
+    fingerprint covers besides the tokenizer."""
+    return name in (CONFIG_NAME, GGUF_WEIGHTS_NAME) or name.endswith(WEIGHTS_SUFFIX)
 
 
 def tokenizer_fingerprint(files: Mapping[str, str]) -> str:

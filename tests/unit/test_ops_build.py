@@ -12,7 +12,7 @@ from services.engine.ops import build
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
 
-AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 NO_AVX2 = frozenset({"sse4_2", "avx"})
 
 

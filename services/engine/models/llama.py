@@ -15,6 +15,11 @@ in `dtype`. Two paths run the same math:
 - other steps (prefill chunks) take `_torch_layer`: MKL/oneDNN matmuls and SDPA in `dtype`. With bf16
   weights and fp32 compute they multiply an fp32 copy of the same bf16 values, so both paths use one set
   of weights and differ only in fp32 rounding order.
+
+Weights may also come as GGUF blocks (`QuantizedWeight`, Q8_0 or Q4_1: services/engine/gguf_weights.py),
+kept as stored: the C kernels multiply by them directly, the torch path unpacks one matrix at a time
+into a reused fp32 buffer (`_BlockLinear`), and embeddings are unpacked per looked-up row. That needs the
+C kernels and fp32 compute; no copy of the weights in another format is kept.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers
 from services.engine.ops.packed_linear import Linear, make_linear
+from services.engine.ops.quant import INT8_ACTIVATIONS, QuantizedWeight, Weight, WeightFormat, cat_rows
 from services.engine.rope import RotaryEmbedding
 
 # Steps up to this many tokens take the C kernels: on an AVX2 Zen 3 they beat MKL's fp32 GEMM up to
@@ -59,29 +65,62 @@ class _KernelPointers:
     keep_alive: list[torch.Tensor]
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 @dataclass
 class LlamaLayer:
     input_norm: torch.Tensor  # [hidden]
-    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_proj: Weight  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    o_proj: Weight  # [hidden, num_heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    gate_up_proj: Weight  # [2 * intermediate, hidden]
+    down_proj: Weight  # [hidden, intermediate]
     qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]: Qwen3's q/k RMSNorm
 
     def to(self, dtype: torch.dtype) -> LlamaLayer:
-        """The same layer with every tensor in `dtype` (no copy where it already is)."""
+        """The same layer with every tensor in `dtype` (no copy where it already is); GGUF blocks stay."""
         return LlamaLayer(
             input_norm=self.input_norm.to(dtype),
-            qkv_proj=self.qkv_proj.to(dtype),
+            qkv_proj=_to(self.qkv_proj, dtype),
             qkv_bias=None if self.qkv_bias is None else self.qkv_bias.to(dtype),
-            o_proj=self.o_proj.to(dtype),
+            o_proj=_to(self.o_proj, dtype),
             post_norm=self.post_norm.to(dtype),
-            gate_up_proj=self.gate_up_proj.to(dtype),
-            down_proj=self.down_proj.to(dtype),
+            gate_up_proj=_to(self.gate_up_proj, dtype),
+            down_proj=_to(self.down_proj, dtype),
             qk_norm=None if self.qk_norm is None else self.qk_norm.to(dtype),
         )
+
+
+def _to(weight: Weight, dtype: torch.dtype) -> Weight:
+    return weight if isinstance(weight, QuantizedWeight) else weight.to(dtype)
+
+
+def format_of(weight: Weight) -> WeightFormat | None:
+    """The kernels' name for how `weight` is stored; None for a dtype they cannot read."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.format
+    return {torch.float32: WeightFormat.F32, torch.bfloat16: WeightFormat.BF16}.get(weight.dtype)
+
+
+def _data(weight: Weight) -> torch.Tensor:
+    return weight.data if isinstance(weight, QuantizedWeight) else weight
+
+
+class _BlockLinear:
+    """y = x @ w.T (+ bias) for GGUF blocks on the torch path: the matrix unpacked into a buffer shared by
+    every matrix of the model (one unpacks at a time), then MKL's fp32 GEMM."""
+
+    def __init__(
+        self, kernels: CpuKernels, weight: QuantizedWeight, bias: torch.Tensor | None, buffer: torch.Tensor
+    ) -> None:
+        self.kernels, self.weight, self.bias, self.buffer = kernels, weight, bias, buffer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        num_out, k = self.weight.shape
+        unpacked = self.buffer[: num_out * k].view(num_out, k)  # [N, K] fp32
+        return F.linear(x, self.kernels.dequantize(self.weight, unpacked), self.bias)
 
 
 @dataclass(frozen=True)
@@ -94,12 +133,19 @@ class _LayerLinears:
     down: Linear
 
     @classmethod
-    def of(cls, layer: LlamaLayer) -> _LayerLinears:
+    def of(
+        cls, layer: LlamaLayer, blocks: Callable[[QuantizedWeight, torch.Tensor | None], Linear]
+    ) -> _LayerLinears:
+        """`blocks` makes the matmul of a matrix kept as GGUF blocks."""
+
+        def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+            return blocks(weight, bias) if isinstance(weight, QuantizedWeight) else make_linear(weight, bias)
+
         return cls(
-            make_linear(layer.qkv_proj, layer.qkv_bias),
-            make_linear(layer.o_proj),
-            make_linear(layer.gate_up_proj),
-            make_linear(layer.down_proj),
+            linear(layer.qkv_proj, layer.qkv_bias),
+            linear(layer.o_proj),
+            linear(layer.gate_up_proj),
+            linear(layer.down_proj),
         )
 
 
@@ -113,41 +159,58 @@ class LlamaModel:
         use_cpu_kernels: bool = True,
         paged: PagedAttention | None = None,
         small_step_max_tokens: int = SMALL_STEP_MAX_TOKENS,
+        int8_activations: bool = False,
     ) -> None:
+        """`int8_activations`: with GGUF blocks, the kernel path quantizes activations to int8 per 32-block
+        for integer dot products (llama.cpp's way: faster, a little less exact); the torch path stays fp32."""
         self.config = config
+        self.int8_activations = int8_activations
         self.paged: PagedAttention = paged or TorchAttention()
         self.dtype = dtype
         self.small_step_max_tokens = small_step_max_tokens
 
         used: set[str] = set()
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in weights:
-                raise CorruptModelError(f"weight {name!r} is missing from the safetensors files")
+                raise CorruptModelError(f"weight {name!r} is missing from the model's weights")
             used.add(name)
-            return weights[name].contiguous()
+            weight = weights[name]
+            return weight if isinstance(weight, QuantizedWeight) else weight.contiguous()
 
-        embed = take("model.embed_tokens.weight")  # [vocab, hidden], stored dtype
-        self.stored_dtype = embed.dtype
-        self.norm = take("model.norm.weight").to(dtype)  # [hidden]
+        def take_tensor(name: str) -> torch.Tensor:
+            weight = take(name)
+            if isinstance(weight, QuantizedWeight):
+                raise ModelLoadError(f"{name} must be a float tensor, not {weight.format.name} blocks")
+            return weight
+
+        embed = take("model.embed_tokens.weight")  # [vocab, hidden], as stored
+        self.norm = take_tensor("model.norm.weight").to(dtype)  # [hidden]
         is_tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        layers = [self._load_layer(take, i) for i in range(config.num_layers)]
+        layers = [self._load_layer(take, take_tensor, i) for i in range(config.num_layers)]
         lm_head = embed if is_tied else take("lm_head.weight")  # [vocab, hidden]
         check_all_weights_used(type(self).__name__, weights, used | {"lm_head.weight"})
+        self.weight_format = _one_format(layers)
         self.stored_layers, self.lm_head_stored = _pack_streamed_weights(layers, lm_head)
         self.embed_tokens = self.lm_head_stored if is_tied else embed  # [vocab, hidden]
-        self.lm_head = self.lm_head_stored.to(dtype)  # [vocab, hidden]
+        self.device = self.norm.device
+        on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
+        kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
+        self._check_blocks_can_run(kernels)
+        self.lm_head = _to(self.lm_head_stored, dtype)  # [vocab, hidden]
         self.layers = [layer.to(dtype) for layer in self.stored_layers]
-        self.device = embed.device
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, self.device
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.linears = [_LayerLinears.of(layer) for layer in self.layers]
-        self.lm_head_linear = make_linear(self.lm_head)
-        on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
-        kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
+        blocks = self._block_linears(kernels)
+        self.linears = [_LayerLinears.of(layer, blocks) for layer in self.layers]
+        self.lm_head_linear = (
+            blocks(self.lm_head, None)
+            if isinstance(self.lm_head, QuantizedWeight)
+            else make_linear(self.lm_head)
+        )
         self.kernels = kernels if self._kernels_fit() else None  # every layer in one call (fp32 only)
         # Decode rows read the cache in place through the C kernel, which wants fp32 KV: under bf16
         # compute the cache is then kept in fp32 (bf16 K/V are stored exactly; twice the bytes).
@@ -155,27 +218,58 @@ class LlamaModel:
         self.kv_dtype = torch.float32 if kernels is not None else dtype
         self._pointers: _KernelPointers | None = None
 
-    def _load_layer(self, take: Callable[[str], torch.Tensor], i: int) -> LlamaLayer:
+    def _load_layer(
+        self, take: Callable[[str], Weight], take_tensor: Callable[[str], torch.Tensor], i: int
+    ) -> LlamaLayer:
         p = f"model.layers.{i}."
         qkv = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
         bias = None
         if self.config.attention_bias:
-            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+            bias = torch.cat([take_tensor(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
         return LlamaLayer(
-            input_norm=take(p + "input_layernorm.weight"),
-            qkv_proj=torch.cat(qkv).contiguous(),
+            input_norm=take_tensor(p + "input_layernorm.weight"),
+            qkv_proj=_cat_rows(qkv),
             qkv_bias=bias,
             o_proj=take(p + "self_attn.o_proj.weight"),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up_proj=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            post_norm=take_tensor(p + "post_attention_layernorm.weight"),
+            gate_up_proj=_cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
             down_proj=take(p + "mlp.down_proj.weight"),
         )
+
+    def _check_blocks_can_run(self, kernels: CpuKernels | None) -> None:
+        """GGUF blocks run only through the C kernels, in fp32."""
+        if not isinstance(self.lm_head_stored, QuantizedWeight) and self.weight_format in (
+            WeightFormat.F32,
+            WeightFormat.BF16,
+        ):
+            if self.int8_activations:
+                raise ModelLoadError("int8 activations need GGUF-quantized weights (model.weights gguf-int8)")
+            return
+        if kernels is None or self.dtype != torch.float32:
+            raise ModelLoadError(
+                "GGUF-quantized weights need the CPU kernels (an x86 CPU with AVX2, FMA and F16C, "
+                "engine.device cpu, attention auto) and model.dtype float32 or auto"
+            )
+
+    def _block_linears(
+        self, kernels: CpuKernels | None
+    ) -> Callable[[QuantizedWeight, torch.Tensor | None], Linear]:
+        """Makes the torch path's matmuls over GGUF blocks, sharing one unpacking buffer."""
+        matrices = [w for layer in self.stored_layers for w in _projections(layer)] + [self.lm_head_stored]
+        sizes = [w.shape[0] * w.shape[1] for w in matrices if isinstance(w, QuantizedWeight)]
+        buffer = torch.empty(max(sizes, default=0))  # [largest N * K] fp32
+
+        def blocks(weight: QuantizedWeight, bias: torch.Tensor | None) -> Linear:
+            assert kernels is not None  # _check_blocks_can_run
+            return _BlockLinear(kernels, weight, bias, buffer)
+
+        return blocks
 
     def _kernels_fit(self) -> bool:
         """kr_llama_layers does Llama's math only: no q/k norms, no sliding windows."""
         cfg = self.config
         sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, self.q_size)
-        formats = self.dtype == torch.float32 and self.stored_dtype in (torch.float32, torch.bfloat16)
+        formats = self.dtype == torch.float32 and self.weight_format is not None  # blocks: K % 32 == 0
         plain = not cfg.has_sliding_windows and all(layer.qk_norm is None for layer in self.layers)
         return plain and formats and self._attention_kernel_fits() and all(size % 8 == 0 for size in sizes)
 
@@ -186,9 +280,10 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of every distinct weight tensor held: stored weights plus compute-dtype copies."""
-        tensors = [self.embed_tokens, self.lm_head_stored, self.lm_head, self.norm]
+        weights = [self.embed_tokens, self.lm_head_stored, self.lm_head, self.norm]
         for layer in (*self.stored_layers, *self.layers):
-            tensors += [t for t in vars(layer).values() if t is not None]
+            weights += [w for w in vars(layer).values() if w is not None]
+        tensors = [_data(w) for w in weights]
         unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
         return sum(unique.values())
 
@@ -217,7 +312,7 @@ class LlamaModel:
         x = torch.empty_like(h)  # [num_samples, hidden]
         kernels.rms_norm(h, self.norm, x, self.config.rms_norm_eps)
         logits = h.new_empty(h.shape[0], self.lm_head_stored.shape[0])  # [num_samples, vocab]
-        kernels.linear(x, self.lm_head_stored, logits)
+        kernels.linear(x, self.lm_head_stored, logits, int8_activations=self._int8_lm_head)
         return logits
 
     # -- the torch path -----------------------------------------------------------------------------
@@ -259,10 +354,20 @@ class LlamaModel:
         gate, up = linears.gate_up(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
         return h + linears.down(F.silu(gate) * up)  # [num_tokens, hidden]
 
+    @property
+    def _int8_lm_head(self) -> bool:
+        return self.int8_activations and isinstance(self.lm_head_stored, QuantizedWeight)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token_ids [num_tokens]: [num_tokens, hidden] (GGUF blocks unpacked)."""
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            return self.embed_tokens.rows(token_ids).dequantize()
+        return F.embedding(token_ids, self.embed_tokens)
+
     def _torch_forward(
         self, token_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        h = F.embedding(token_ids, self.embed_tokens).to(self.dtype)  # [num_tokens, hidden]
+        h = self._embed(token_ids).to(self.dtype)  # [num_tokens, hidden]
         cos_sin = self.rope.lookup(meta.positions, self.dtype)
         decode_attention = kernel_decode_attention(self.attention_kernels, meta)
         for i, cache in enumerate(kv_caches):
@@ -278,7 +383,7 @@ class LlamaModel:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = F.embedding(token_ids, self.embed_tokens).float()  # [num_tokens, hidden]
+        h = self._embed(token_ids).float()  # [num_tokens, hidden]
         kernels.llama_layers(
             self._dims(meta.block_size),
             self._layer_pointers(kv_caches),
@@ -293,9 +398,10 @@ class LlamaModel:
 
     def _dims(self, block_size: int) -> LlamaDims:
         cfg = self.config
+        weight_code = int(self.weight_format or 0) | (INT8_ACTIVATIONS if self.int8_activations else 0)
         return LlamaDims(
             cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            block_size, cfg.rms_norm_eps, int(self.stored_dtype == torch.bfloat16),
+            block_size, cfg.rms_norm_eps, weight_code,
             self.rope.cos.data_ptr(), self.rope.sin.data_ptr(),
         )  # fmt: skip
 
@@ -313,8 +419,9 @@ class LlamaModel:
             norms = (s.input_norm.float(), s.post_norm.float())  # [hidden] each
             bias = None if s.qkv_bias is None else s.qkv_bias.float()  # [qkv_size]
             keep_alive += [*norms, *([] if bias is None else [bias])]
+            qkv, o, gate_up, down = (_data(w).data_ptr() for w in _projections(s))
             array[i] = LlamaLayerPointers(
-                s.qkv_proj.data_ptr(), s.o_proj.data_ptr(), s.gate_up_proj.data_ptr(), s.down_proj.data_ptr(),
+                qkv, o, gate_up, down,
                 None if bias is None else bias.data_ptr(), norms[0].data_ptr(), norms[1].data_ptr(),
                 cache.data_ptr(),
             )  # fmt: skip
@@ -322,17 +429,43 @@ class LlamaModel:
         return array
 
 
-def _pack_streamed_weights(
-    layers: list[LlamaLayer], lm_head: torch.Tensor
-) -> tuple[list[LlamaLayer], torch.Tensor]:
-    """The matrices every decode step reads, moved into one huge-page buffer (ops/arena.py)."""
-    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    packed = arena.pack([getattr(layer, n) for layer in layers for n in names] + [lm_head])
+def _pack_streamed_weights(layers: list[LlamaLayer], lm_head: Weight) -> tuple[list[LlamaLayer], Weight]:
+    """The matrices every decode step reads, moved into one huge-page buffer (ops/arena.py). GGUF blocks
+    and tensors of one dtype pack together; a model that mixes them packs only its tensors."""
+    matrices = [w for layer in layers for w in _projections(layer)] + [lm_head]
+    data = [_data(w) for w in matrices]
+    if len({t.dtype for t in data}) != 1:
+        return layers, lm_head
+    packed = [_like(w, t) for w, t in zip(matrices, arena.pack(data), strict=True)]
     out = [
-        dataclasses.replace(layer, **dict(zip(names, packed[4 * i : 4 * i + 4], strict=True)))
+        dataclasses.replace(layer, **dict(zip(PROJECTIONS, packed[4 * i : 4 * i + 4], strict=True)))  # type: ignore[arg-type]
         for i, layer in enumerate(layers)
     ]
     return out, packed[-1]
+
+
+def _like(weight: Weight, data: torch.Tensor) -> Weight:
+    """`weight` over new storage `data`."""
+    return QuantizedWeight(data, weight.format, weight.shape) if isinstance(weight, QuantizedWeight) else data
+
+
+def _projections(layer: LlamaLayer) -> list[Weight]:
+    return [getattr(layer, name) for name in PROJECTIONS]
+
+
+def _cat_rows(weights: list[Weight]) -> Weight:
+    """Row-wise concatenation (q, k, v into one projection): of tensors, or of GGUF blocks of one format."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        return cat_rows([w for w in weights if isinstance(w, QuantizedWeight)])
+    if any(isinstance(w, QuantizedWeight) for w in weights):
+        raise ModelLoadError("a fused projection mixes GGUF blocks and float tensors")
+    return torch.cat([w for w in weights if isinstance(w, torch.Tensor)]).contiguous()
+
+
+def _one_format(layers: list[LlamaLayer]) -> WeightFormat | None:
+    """The one format of every projection; None when they differ (the C kernels take one per model)."""
+    formats = {format_of(w) for layer in layers for w in _projections(layer)}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def check_all_weights_used(family: str, weights: Mapping[str, torch.Tensor], used: set[str]) -> None:

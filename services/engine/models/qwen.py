@@ -25,6 +25,7 @@ import torch
 from services.common.errors import ModelLoadError
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaLayer, LlamaModel
+from services.engine.ops.quant import Weight
 
 
 class Qwen2Model(LlamaModel):
@@ -42,10 +43,12 @@ class Qwen3Model(LlamaModel):
             raise ModelLoadError("Qwen3 with attention_bias=true is not supported")
         super().__init__(config, weights, dtype, **options)
 
-    def _load_layer(self, take: Callable[[str], torch.Tensor], i: int) -> LlamaLayer:
+    def _load_layer(
+        self, take: Callable[[str], Weight], take_tensor: Callable[[str], torch.Tensor], i: int
+    ) -> LlamaLayer:
         cfg = self.config
         p = f"model.layers.{i}.self_attn."
-        q_norm = take(p + "q_norm.weight").expand(cfg.num_heads, -1)  # [num_heads, head_dim]
-        k_norm = take(p + "k_norm.weight").expand(cfg.num_kv_heads, -1)  # [num_kv_heads, head_dim]
+        q_norm = take_tensor(p + "q_norm.weight").expand(cfg.num_heads, -1)  # [num_heads, head_dim]
+        k_norm = take_tensor(p + "k_norm.weight").expand(cfg.num_kv_heads, -1)  # [num_kv_heads, head_dim]
         qk_norm = torch.cat([q_norm, k_norm])  # [num_heads + num_kv_heads, head_dim], one row per head
-        return dataclasses.replace(super()._load_layer(take, i), qk_norm=qk_norm)
+        return dataclasses.replace(super()._load_layer(take, take_tensor, i), qk_norm=qk_norm)

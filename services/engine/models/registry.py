@@ -48,6 +48,7 @@ def build_model(
     *,
     attention: str = "auto",
     block_size: int = 16,
+    int8_activations: bool = False,
 ) -> CausalLM:
     """The family's model over `weights` (on their device), its layers on the paged attention `attention`
     names for KV blocks of `block_size` (attention_backend.py). The C kernels run only under `auto`."""
@@ -55,8 +56,10 @@ def build_model(
     if family is None:
         known = ", ".join(sorted(_FAMILIES))
         raise ModelLoadError(f"architecture {config.architecture!r} is not supported (known: {known})")
-    device = next(iter(weights.values())).device if weights else torch.device("cpu")
+    tensors = [w for w in weights.values() if isinstance(w, torch.Tensor)]  # GGUF blocks live on the CPU
+    device = tensors[0].device if tensors else torch.device("cpu")
     paged = choose_attention(attention, config, dtype, device, block_size)
     cpu_kernels = attention == "auto" and paged.name == "torch"
-    model: CausalLM = family(config, weights, dtype, use_cpu_kernels=cpu_kernels, paged=paged)
+    options = {"int8_activations": True} if int8_activations else {}  # Llama-family kernels only
+    model: CausalLM = family(config, weights, dtype, use_cpu_kernels=cpu_kernels, paged=paged, **options)
     return model

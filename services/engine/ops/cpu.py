@@ -10,6 +10,8 @@ import ctypes
 
 import torch
 
+from services.engine.ops.quant import INT8_ACTIVATIONS, QuantizedWeight, WeightFormat
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _C = ctypes.c_int
@@ -27,7 +29,7 @@ class LlamaDims(ctypes.Structure):
         ("head_dim", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
         ("eps", ctypes.c_float),
-        ("weights_bf16", ctypes.c_int32),
+        ("weights_format", ctypes.c_int32),  # quant.WeightFormat
         ("cos_table", ctypes.c_void_p),
         ("sin_table", ctypes.c_void_p),
     ]
@@ -56,6 +58,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kr_llama_layers": [_DIMS, _LAYERS, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _C],
     "kr_rms_norm": [_P, _I, _P, _P, _I, _I, _I, _F],
     "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _P, _C],
+    "kr_dequantize": [_P, _C, _P, _I, _I, _C],
     "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
     "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P],
     "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _P, _I, _C],
@@ -69,6 +72,17 @@ def _rows(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
             f"expected a row-contiguous 2-D {dtype} CPU tensor, got {x.dtype} {tuple(x.stride())}"
         )
     return x.stride(0)
+
+
+def _format_of(weight: torch.Tensor | QuantizedWeight) -> tuple[WeightFormat, int, int]:
+    """The weight's format and shape [N, K]; raises for a layout the kernels cannot read."""
+    if isinstance(weight, QuantizedWeight):
+        _flat(weight.data, torch.uint8)
+        return weight.format, *weight.shape
+    num_out, k = weight.shape
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or k % 8:
+        raise ValueError(f"weight must be contiguous fp32/bf16 with K % 8 == 0, got {weight.dtype} {k}")
+    return (WeightFormat.BF16 if weight.dtype == torch.bfloat16 else WeightFormat.F32), num_out, k
 
 
 def _flat(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -126,22 +140,41 @@ class CpuKernels:
         )
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, accumulate: bool = False
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        out: torch.Tensor,
+        accumulate: bool = False,
+        *,
+        int8_activations: bool = False,
     ) -> None:
-        """out [M, N] = x [M, K] @ weight [N, K].T, or out += that. weight is fp32 or bf16; K % 8 == 0."""
-        num_out, k = weight.shape
-        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or k % 8:
-            raise ValueError(f"weight must be contiguous fp32/bf16 with K % 8 == 0, got {weight.dtype} {k}")
+        """out [M, N] = x [M, K] @ weight [N, K].T, or out += that. weight is fp32 or bf16 with K % 8 == 0,
+        or a QuantizedWeight (Q8_0, Q4_1), whose product may take x quantized to int8 per 32-block."""
+        weight_format, num_out, k = _format_of(weight)
+        code = int(weight_format) | (INT8_ACTIVATIONS if int8_activations else 0)
         if x.shape[1] != k or out.shape != (x.shape[0], num_out):
             raise ValueError(
-                f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
+                f"shape mismatch: x {tuple(x.shape)}, weight {(num_out, k)}, out {tuple(out.shape)}"
             )
-        is_bf16 = weight.dtype == torch.bfloat16
-        xbuf = torch.empty(x.shape[0] * k if is_bf16 else 0)  # [M * K] scratch for the bf16 layout
+        data = weight.data if isinstance(weight, QuantizedWeight) else weight
+        needs_scratch = weight_format != WeightFormat.F32
+        xbuf = torch.empty(x.shape[0] * k if needs_scratch else 0)  # [M * K] bf16 layout or block sums
         self._lib.kr_linear(
-            x.data_ptr(), _rows(x), weight.data_ptr(), int(is_bf16), out.data_ptr(), _rows(out),
+            x.data_ptr(), _rows(x), data.data_ptr(), code, out.data_ptr(), _rows(out),
             x.shape[0], num_out, k, int(accumulate), xbuf.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+
+    def dequantize(self, weight: QuantizedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as fp32 [N, K] (into `out` when given)."""
+        num_out, k = weight.shape
+        out = torch.empty(num_out, k) if out is None else out  # [N, K]
+        if out.shape != (num_out, k):
+            raise ValueError(f"out {tuple(out.shape)} does not match the weight {(num_out, k)}")
+        _flat(out, torch.float32)
+        self._lib.kr_dequantize(
+            weight.data.data_ptr(), int(weight.format), out.data_ptr(), num_out, k, torch.get_num_threads()
+        )
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out [M, I] = silu(gate_up[:, :I]) * gate_up[:, I:], gate_up [M, 2 * I]."""

@@ -1,6 +1,7 @@
-/* kvrelay CPU kernels for small steps (decode): AVX2 + FMA, fp32 activations, fp32 or bf16 weights.
+/* kvrelay CPU kernels for small steps (decode): AVX2 + FMA, fp32 activations, weights in fp32, bf16 or
+ * the GGUF block formats Q8_0 and Q4_1 (kept as stored: see kr_format below and ops/quant.py).
  *
- * Built at first use by services/engine/ops/build.py (gcc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp)
+ * Built at first use by services/engine/ops/build.py (gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp)
  * and called through ctypes from services/engine/ops/cpu.py. Each op has a torch twin that tests compare
  * it with: ops/reference.py (tests/unit/test_ops_cpu.py), attention.reference_attention
  * (tests/unit/test_attention.py), and for kr_llama_layers the model's torch path
@@ -103,6 +104,235 @@ static inline __attribute__((always_inline)) void row_dot_any(const float *x, in
     }
 }
 
+/* Weight formats (ops/quant.py WeightFormat). A row of a block format holds K / QK blocks:
+ *   Q8_0: fp16 scale d, 32 int8 q;                       w[j] = d * q[j]                      (34 bytes)
+ *   Q4_1: fp16 scale d, fp16 minimum m, 16 bytes of nibbles: w[j] = d * (qs[j] & 15) + m and
+ *         w[j + 16] = d * (qs[j] >> 4) + m, j < 16                                           (20 bytes)
+ * the layouts of ggml, so a GGUF's tensor data is used as it is. */
+enum kr_format { KR_F32 = 0, KR_BF16 = 1, KR_Q8_0 = 2, KR_Q4_1 = 3 };
+#define QK 32
+typedef struct {
+    uint16_t d;
+    int8_t qs[QK];
+} block_q8_0;
+typedef struct {
+    uint16_t d, m;
+    uint8_t qs[QK / 2];
+} block_q4_1;
+_Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q4_1) == 20, "ggml block sizes");
+
+static inline int is_block_format(int format) { return format == KR_Q8_0 || format == KR_Q4_1; }
+
+/* Bytes of one row of K weights in `format`. */
+static inline int64_t row_bytes(int format, int64_t K) {
+    switch (format) {
+    case KR_BF16: return 2 * K;
+    case KR_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
+    case KR_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
+    default: return 4 * K;
+    }
+}
+
+/* One block's 32 weights as four fp32 vectors of 8 (elements 0-7, 8-15, 16-23, 24-31) before the scale,
+ * with its scale d and minimum m (0 for Q8_0). */
+static inline __attribute__((always_inline)) void block_weights(const void *w, int64_t b, const int format,
+                                                                __m256 q[4], float *d, float *m) {
+    if (format == KR_Q8_0) {
+        const block_q8_0 *blk = (const block_q8_0 *)w + b;
+        _mm_prefetch((const char *)(blk + 8), _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i *)blk->qs);
+        __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        *d = _cvtsh_ss(blk->d);
+        *m = 0.0f;
+    } else {
+        const block_q4_1 *blk = (const block_q4_1 *)w + b;
+        _mm_prefetch((const char *)(blk + 12), _MM_HINT_T0);
+        const __m128i nibble = _mm_set1_epi8(15);
+        __m128i v = _mm_loadu_si128((const __m128i *)blk->qs);
+        __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        *d = _cvtsh_ss(blk->d);
+        *m = _cvtsh_ss(blk->m);
+    }
+}
+
+/* Dot products of one block-format weight row with MB activation rows: per block, d * sum(q * x) into an
+ * 8-lane accumulator and m * sum(x) (the block's activation sum, xsum[m * ldxs + b], made once per call by
+ * block_sums) into a scalar one. The order of the sums does not depend on MB (batch invariance). */
+static inline __attribute__((always_inline)) void row_dot_blocks(const float *x, int64_t ldx, const int MB,
+                                                                 const void *w, int64_t K, const int format,
+                                                                 const float *xsum, int64_t ldxs,
+                                                                 float *out) {
+    __m256 acc[TILE_M];
+    float min_acc[TILE_M];
+    for (int i = 0; i < MB; i++) {
+        acc[i] = _mm256_setzero_ps();
+        min_acc[i] = 0.0f;
+    }
+    const int64_t num_blocks = K / QK;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        __m256 q[4];
+        float d, m;
+        block_weights(w, b, format, q, &d, &m);
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int i = 0; i < MB; i++) {
+            const float *xb = x + i * ldx + b * QK;
+            __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);
+            s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);
+            s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);
+            acc[i] = _mm256_fmadd_ps(dv, s, acc[i]);
+            if (format == KR_Q4_1) min_acc[i] += m * xsum[i * ldxs + b];
+        }
+    }
+    for (int i = 0; i < MB; i++) out[i] = hsum8(acc[i]) + min_acc[i];
+}
+
+static inline __attribute__((always_inline)) void row_dot_blocks_any(const float *x, int64_t ldx, int mb,
+                                                                     const void *w, int64_t K,
+                                                                     const int format, const float *xsum,
+                                                                     int64_t ldxs, float *out) {
+    switch (mb) {
+    case 1: row_dot_blocks(x, ldx, 1, w, K, format, xsum, ldxs, out); break;
+    case 2: row_dot_blocks(x, ldx, 2, w, K, format, xsum, ldxs, out); break;
+    case 3: row_dot_blocks(x, ldx, 3, w, K, format, xsum, ldxs, out); break;
+    default: row_dot_blocks(x, ldx, 4, w, K, format, xsum, ldxs, out); break;
+    }
+}
+
+/* xsum[m, b] = the sum of x[m, b * QK .. b * QK + QK - 1], for Q4_1's minimums. */
+static void block_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int64_t K) {
+    const int64_t num_blocks = K / QK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+            xsum[m * num_blocks + b] = hsum8(s);
+        }
+}
+
+/* int8 activations (kr_format | KR_INT8_ACTIVATIONS with a block format): each token's activations are
+ * quantized to int8 with one scale per 4 of them (d = max|x| / 127), and each 32-block keeps
+ * s = sum(d * q). A block product is an integer dot product (maddubs, then madd) whose int32 lane i sums
+ * the products of elements 4i..4i+3, so a scale per 4 costs the dot product nothing: the eight lanes are
+ * scaled by their eight d at once.
+ *   Q8_0: d_w * sum_lanes(d_x * sum(q_w * q_x));   Q4_1: the same + m_w * s_x.
+ * (llama.cpp's Q8_1 activations have one scale per 32: on SmolLM2 that kept teacher-forced top-1 agreement
+ * with fp32 at 97.7%, and one per 16 at 98.4%, docs/performance.md.) */
+#define KR_INT8_ACTIVATIONS 16
+#define X8_GROUP 4 /* activations per scale: the bytes one int32 lane of madd(maddubs(w, x), 1) sums */
+typedef struct {
+    float d[QK / X8_GROUP]; /* lane i's scale */
+    float s;
+    int8_t qs[QK];
+} block_x8;
+
+/* xq[m, b] = the block b of x[m, :] as int8, one scale per X8_GROUP (round half away from zero). */
+static void quantize_rows(const float *x, int64_t ldx, block_x8 *xq, int64_t M, int64_t K) {
+    const int64_t num_blocks = K / QK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const float *xb = x + m * ldx + b * QK;
+            block_x8 *out = xq + m * num_blocks + b;
+            float s = 0.0f;
+            for (int g = 0; g < QK / X8_GROUP; g++) {
+                float amax = 0.0f;
+                for (int j = g * X8_GROUP; j < (g + 1) * X8_GROUP; j++) amax = fmaxf(amax, fabsf(xb[j]));
+                const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+                int sum = 0;
+                for (int j = g * X8_GROUP; j < (g + 1) * X8_GROUP; j++) {
+                    const float v = xb[j] * inv;
+                    out->qs[j] = (int8_t)(int)(v + (v >= 0.0f ? 0.5f : -0.5f));
+                    sum += out->qs[j];
+                }
+                out->d[g] = d;
+                s += d * (float)sum;
+            }
+            out->s = s;
+        }
+}
+
+/* Dot products of one block-format weight row with MB rows of int8 activations xq [MB, K / QK]. */
+static inline __attribute__((always_inline)) void row_dot_x8(const block_x8 *xq, int64_t ldq, const int MB,
+                                                             const void *w, int64_t K, const int format,
+                                                             float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_M];
+    float min_acc[TILE_M];
+    for (int i = 0; i < MB; i++) {
+        acc[i] = _mm256_setzero_ps();
+        min_acc[i] = 0.0f;
+    }
+    const int64_t num_blocks = K / QK;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        __m256i wq; /* Q8_0: |q| with the signs moved onto x; Q4_1: q in 0..15 */
+        __m256i sign = _mm256_setzero_si256();
+        float d, m = 0.0f;
+        if (format == KR_Q8_0) {
+            const block_q8_0 *blk = (const block_q8_0 *)w + b;
+            _mm_prefetch((const char *)(blk + 8), _MM_HINT_T0);
+            sign = _mm256_loadu_si256((const __m256i *)blk->qs);
+            wq = _mm256_sign_epi8(sign, sign);
+            d = _cvtsh_ss(blk->d);
+        } else {
+            const block_q4_1 *blk = (const block_q4_1 *)w + b;
+            _mm_prefetch((const char *)(blk + 12), _MM_HINT_T0);
+            const __m128i nibble = _mm_set1_epi8(15);
+            __m128i v = _mm_loadu_si128((const __m128i *)blk->qs);
+            wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), _mm_and_si128(v, nibble));
+            d = _cvtsh_ss(blk->d);
+            m = _cvtsh_ss(blk->m);
+        }
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int i = 0; i < MB; i++) {
+            const block_x8 *xb = xq + i * ldq + b;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)xb->qs);
+            if (format == KR_Q8_0) xv = _mm256_sign_epi8(xv, sign);
+            __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones);
+            __m256 scale = _mm256_mul_ps(dv, _mm256_loadu_ps(xb->d));
+            acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[i]);
+            if (format == KR_Q4_1) min_acc[i] += m * xb->s;
+        }
+    }
+    for (int i = 0; i < MB; i++) out[i] = hsum8(acc[i]) + min_acc[i];
+}
+
+static inline __attribute__((always_inline)) void row_dot_x8_any(const block_x8 *xq, int64_t ldq, int mb,
+                                                                 const void *w, int64_t K, const int format,
+                                                                 float *out) {
+    switch (mb) {
+    case 1: row_dot_x8(xq, ldq, 1, w, K, format, out); break;
+    case 2: row_dot_x8(xq, ldq, 2, w, K, format, out); break;
+    case 3: row_dot_x8(xq, ldq, 3, w, K, format, out); break;
+    default: row_dot_x8(xq, ldq, 4, w, K, format, out); break;
+    }
+}
+
+/* out [N, K] fp32 = the weights of w [N, K] in a block format (the prefill path's per-matrix unpacking). */
+void kr_dequantize(const void *w, int format, float *out, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_blocks = K / QK, stride = row_bytes(format, K);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const char *row = (const char *)w + n * stride;
+        for (int64_t b = 0; b < num_blocks; b++) {
+            __m256 q[4];
+            float d, m;
+            block_weights(row, b, format, q, &d, &m);
+            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            for (int c = 0; c < 4; c++)
+                _mm256_storeu_ps(out + n * K + b * QK + 8 * c, _mm256_fmadd_ps(dv, q[c], mv));
+        }
+    }
+}
+
 /* xp [M, K] = x [M, ldx] with each full 16-block reordered as [elements 0, 2, .., 14 | 1, 3, .., 15]. */
 static void permute_even_odd(const float *x, int64_t ldx, float *xp, int64_t M, int64_t K) {
     for (int64_t m = 0; m < M; m++) {
@@ -137,25 +367,39 @@ void kr_rms_norm(const float *x, int64_t ldx, const float *weight, float *xn, in
     }
 }
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] (accumulate = 0), or y[m, n] += that sum (accumulate = 1).
- * K must be a multiple of 8; xbuf holds M * K floats of scratch when w is bf16 (else unused).
- * Threads split the rows of w, so each thread streams one contiguous range of the weights. */
-void kr_linear(const float *x, int64_t ldx, const void *w, int w_bf16, float *y, int64_t ldy, int64_t M,
+/* y[m, n] = sum_k x[m, k] * w[n, k] (accumulate = 0), or y[m, n] += that sum (accumulate = 1), w in
+ * `format` (kr_format; | KR_INT8_ACTIVATIONS with a block format: int8 activations). K must be a multiple
+ * of 8 (of QK for a block format); xbuf holds M * K floats of scratch for bf16 and block formats (else
+ * unused). Threads split the rows of w, so each thread streams
+ * one contiguous range of the weights. */
+void kr_linear(const float *x, int64_t ldx, const void *w, int format, float *y, int64_t ldy, int64_t M,
                int64_t N, int64_t K, int accumulate, float *xbuf, int num_threads) {
-    if (w_bf16) {
+    const int int8_x = (format & KR_INT8_ACTIVATIONS) != 0;
+    format &= ~KR_INT8_ACTIVATIONS;
+    const int blocks = is_block_format(format), int8_blocks = int8_x && blocks;
+    const int64_t stride = row_bytes(format, K), ldxs = K / QK;
+    const block_x8 *xq = (const block_x8 *)xbuf;
+    if (int8_blocks) {
+        quantize_rows(x, ldx, (block_x8 *)xbuf, M, K);
+    } else if (format == KR_BF16) {
         permute_even_odd(x, ldx, xbuf, M, K);
         x = xbuf;
         ldx = K;
+    } else if (format == KR_Q4_1) {
+        block_sums(x, ldx, xbuf, M, K);
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
+        const char *row = (const char *)w + n * stride;
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
             float dots[TILE_M];
             int mb = (int)(M - m0 < TILE_M ? M - m0 : TILE_M);
-            if (w_bf16)
-                row_dot_any(x + m0 * ldx, ldx, mb, (const uint16_t *)w + n * K, K, 1, dots);
+            if (int8_blocks)
+                row_dot_x8_any(xq + m0 * ldxs, ldxs, mb, row, K, format, dots);
+            else if (blocks)
+                row_dot_blocks_any(x + m0 * ldx, ldx, mb, row, K, format, xbuf + m0 * ldxs, ldxs, dots);
             else
-                row_dot_any(x + m0 * ldx, ldx, mb, (const float *)w + n * K, K, 0, dots);
+                row_dot_any(x + m0 * ldx, ldx, mb, row, K, format == KR_BF16, dots);
             for (int m = 0; m < mb; m++) {
                 float *dst = y + (m0 + m) * ldy + n;
                 *dst = accumulate ? *dst + dots[m] : dots[m];
@@ -299,12 +543,12 @@ void kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, in
 typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
     float eps;
-    int32_t weights_bf16;
+    int32_t weights_format; /* kr_format of the four projections, | KR_INT8_ACTIVATIONS for int8 activations */
     const float *cos_table, *sin_table; /* [max_positions, head_dim] */
 } kr_dims;
 
 typedef struct {
-    const void *qkv_proj, *o_proj, *gate_up_proj, *down_proj; /* [N, K], bf16 or fp32 as weights_bf16 says */
+    const void *qkv_proj, *o_proj, *gate_up_proj, *down_proj; /* [N, K] in weights_format */
     const float *qkv_bias;                                     /* [qkv_size] or NULL */
     const float *input_norm, *post_norm;                       /* [hidden] */
     float *cache;                                              /* [num_slots, 2, num_kv_heads, head_dim] */
@@ -327,7 +571,7 @@ void kr_llama_layers(const kr_dims *d, const kr_layer *layers, int64_t num_layer
                      int num_threads) {
     const int64_t H = d->hidden, I = d->intermediate, nh = d->num_heads, nkv = d->num_kv_heads;
     const int64_t q_size = nh * d->head_dim, qkv_size = q_size + 2 * nkv * d->head_dim;
-    const int wb = d->weights_bf16;
+    const int wb = d->weights_format;
     const float scale = 1.0f / sqrtf((float)d->head_dim);
     float *x = work, *qkv = x + M * H, *attn = qkv + M * qkv_size, *gu = attn + M * q_size;
     float *act = gu + M * 2 * I, *xbuf = act + M * I;

@@ -1,0 +1,96 @@
+"""The quality bar of the GGUF block weights on the real SmolLM2 file (issue 26), over the fixture prompts
+of tests/fixtures/smollm2_greedy_fp32.json:
+
+- `model.weights gguf-int8` (blocks, decode kernels on int8 activations): teacher-forced on the fixture's
+  greedy continuations, its top-1 token agrees with the fp32 model's at >= 99% of positions;
+- both block paths load from the prepared directory's `model.gguf`, report a fingerprint of their own, and
+  keep at most the GGUF's size + 10% of weights resident.
+
+(`model.weights gguf` with fp32 activations passes the greedy fixture itself: test_engine_identity.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.manifest import GGUF_WEIGHTS_NAME, load_verified_manifest
+from services.engine.attention import RowSpec, build_metadata
+from services.engine.loader import LoadedModel, load_model
+
+pytestmark = pytest.mark.model
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "smollm2_greedy_fp32.json"
+BLOCK_SIZE = 16
+CHUNK = 16  # tokens per step: small steps take the C kernels (the int8 path)
+MIN_AGREEMENT = 0.99
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict[str, Any]]:
+    return list(json.loads(FIXTURE.read_text())["cases"])
+
+
+@pytest.fixture(scope="module")
+def fp32(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir, "float32", weights="safetensors")
+
+
+@pytest.fixture(scope="module")
+def int8(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir, "float32", weights="gguf-int8")
+
+
+def teacher_forced_top1(loaded: LoadedModel, tokens: list[int], num_prompt: int) -> torch.Tensor:
+    """The model's top-1 next token at every position from the last prompt token on, fed `tokens` in
+    CHUNK-token steps: [len(tokens) - num_prompt]."""
+    model = loaded.model
+    cfg = loaded.config
+    num_blocks = -(-len(tokens) // BLOCK_SIZE)
+    caches = [
+        torch.zeros(num_blocks * BLOCK_SIZE, 2, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)
+    ]
+    block_ids = list(range(num_blocks))
+    picks = []
+    for start in range(0, len(tokens), CHUNK):
+        chunk = tokens[start : start + CHUNK]
+        meta = build_metadata([], [RowSpec(block_ids, start, len(chunk))], BLOCK_SIZE)
+        logits = model.forward(torch.tensor(chunk), caches, meta, torch.arange(len(chunk)))  # [chunk, vocab]
+        picks.append(logits.argmax(-1))
+    return torch.cat(picks)[num_prompt - 1 : -1]
+
+
+def test_int8_activations_agree_with_fp32_teacher_forced(
+    fp32: LoadedModel, int8: LoadedModel, cases: list[dict[str, Any]]
+) -> None:
+    num_same = num_positions = 0
+    for case in cases:
+        prompt, output = case["prompt_token_ids"], case["output_token_ids"]
+        tokens = prompt + output
+        want = teacher_forced_top1(fp32, tokens, len(prompt))
+        got = teacher_forced_top1(int8, tokens, len(prompt))
+        num_same += int((got == want).sum())
+        num_positions += len(want)
+    agreement = num_same / num_positions
+    assert agreement >= MIN_AGREEMENT, f"top-1 agreement {agreement:.4f} over {num_positions} positions"
+
+
+def test_block_weights_have_their_own_fingerprint_and_stay_near_the_gguf_size(
+    model_dir: Path, fp32: LoadedModel, int8: LoadedModel
+) -> None:
+    gguf_bytes = (model_dir / GGUF_WEIGHTS_NAME).stat().st_size
+    assert int8.model.weight_bytes <= 1.10 * gguf_bytes, (int8.model.weight_bytes, gguf_bytes)
+    manifest = load_verified_manifest(model_dir)
+    assert GGUF_WEIGHTS_NAME in manifest.files  # the manifest pins the GGUF it serves
+    assert fp32.manifest.model_fingerprint == manifest.model_fingerprint
+    plain = load_model(model_dir, "float32", weights="gguf")
+    fingerprints = {
+        manifest.model_fingerprint,
+        plain.manifest.model_fingerprint,
+        int8.manifest.model_fingerprint,
+    }
+    assert len(fingerprints) == 3  # prefix caches and P/D pairs never mix the three

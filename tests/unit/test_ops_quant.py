@@ -1,0 +1,188 @@
+"""Weights kept as GGUF blocks (ops/quant.py) and the C kernels that read them (kernels.c): the torch
+reference against gguf's own dequantizer, on random blocks and on the tensors of the SmolLM2 GGUF kvrelay
+ships; the kernels against the reference; batch invariance; and quantization error bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import quants as gguf_quants
+
+from services.engine.ops import reference
+from services.engine.ops.build import load_cpu_kernels
+from services.engine.ops.cpu import CpuKernels
+from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
+from services.engine.ops.quant import (
+    BLOCK,
+    GGML_TYPES,
+    QuantizedWeight,
+    WeightFormat,
+    cat_rows,
+    int8_activations_linear,
+    quantize,
+)
+from services.engine.prepare import default_gguf_path
+
+FORMATS = [WeightFormat.Q8_0, WeightFormat.Q4_1]
+GGML_OF = {WeightFormat.Q8_0: GGMLQuantizationType.Q8_0, WeightFormat.Q4_1: GGMLQuantizationType.Q4_1}
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    if not can_run_cpu_kernels(cpu_flags()):
+        pytest.skip("the CPU lacks AVX2/FMA/F16C, which the C kernels need")
+    loaded = load_cpu_kernels()
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors() -> dict[str, object]:
+    reader = GGUFReader(default_gguf_path())
+    return {tensor.name: tensor for tensor in reader.tensors}
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def gguf_dequantized(weight: QuantizedWeight) -> torch.Tensor:
+    """gguf's own numpy dequantizer over the same bytes: an implementation that shares nothing with ours."""
+    raw = weight.data.numpy()
+    values = gguf_quants.dequantize(raw, GGML_OF[weight.format])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_the_reference_dequantizes_as_gguf_does(weight_format: WeightFormat) -> None:
+    weight = quantize(randn(40, 96, seed=1), weight_format)
+    torch.testing.assert_close(weight.dequantize(), gguf_dequantized(weight), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("weight_format", "bound"),
+    [(WeightFormat.Q8_0, 0.5 / 127), (WeightFormat.Q4_1, 0.5 / 15)],
+)
+def test_quantizing_errs_by_at_most_half_a_step_of_each_block(
+    weight_format: WeightFormat, bound: float
+) -> None:
+    w = randn(16, 128, seed=2)
+    error = (quantize(w, weight_format).dequantize() - w).abs().reshape(16, -1, BLOCK)  # [N, blocks, 32]
+    spread = w.reshape(16, -1, BLOCK)
+    span = spread.abs().amax(-1) if weight_format == WeightFormat.Q8_0 else spread.amax(-1) - spread.amin(-1)
+    # half a step, plus the fp16 rounding of the scale and minimum
+    assert bool((error.amax(-1) <= span * bound * 1.01 + 1e-3).all())
+
+
+def test_the_shipped_gguf_blocks_are_read_as_gguf_reads_them(gguf_tensors: dict[str, object]) -> None:
+    """blk.0.attn_q.weight is Q4_1 and token_embd.weight Q8_0 in the SmolLM2 file."""
+    seen = set()
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        tensor = gguf_tensors[name]
+        weight_format = GGML_TYPES[int(tensor.tensor_type)]  # type: ignore[attr-defined]
+        seen.add(weight_format)
+        num_cols, num_rows = (int(n) for n in tensor.shape)  # type: ignore[attr-defined]
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(num_rows, -1)  # type: ignore[attr-defined]
+        weight = QuantizedWeight(data, weight_format, (num_rows, num_cols))
+        expected = torch.from_numpy(
+            gguf_quants.dequantize(np.array(tensor.data), tensor.tensor_type)  # type: ignore[attr-defined]
+        ).reshape(num_rows, num_cols)
+        torch.testing.assert_close(weight.dequantize(), expected.float(), atol=0, rtol=0)
+    assert seen == set(FORMATS)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_the_kernel_dequantizes_exactly_as_the_reference(
+    kernels: CpuKernels, weight_format: WeightFormat
+) -> None:
+    weight = quantize(randn(70, 576, seed=3) * 0.05, weight_format)
+    torch.testing.assert_close(kernels.dequantize(weight), weight.dequantize(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+def test_linear_over_blocks_matches_the_reference(
+    kernels: CpuKernels, weight_format: WeightFormat, num_tokens: int, in_features: int
+) -> None:
+    x = randn(num_tokens, in_features, seed=4)  # [M, K]
+    weight = quantize(randn(37, in_features, seed=5) * 0.1, weight_format)
+    out = torch.empty(num_tokens, 37)  # [M, N]
+    kernels.linear(x, weight, out)
+    torch.testing.assert_close(out, reference.linear(x, weight.dequantize()), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_linear_over_blocks_accumulates_and_reads_strided_rows(
+    kernels: CpuKernels, weight_format: WeightFormat
+) -> None:
+    wide = randn(6, 200, seed=6)  # [M, 200]: x is a column slice with row stride 200
+    x = wide[:, 8:136]  # [M, 128]
+    weight = quantize(randn(50, 128, seed=7) * 0.1, weight_format)
+    residual = randn(6, 50, seed=8)  # [M, N]
+    out = residual.clone()
+    kernels.linear(x, weight, out, accumulate=True)
+    expected = residual + reference.linear(x, weight.dequantize())
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_linear_over_blocks_gives_a_token_the_same_bits_alone_and_in_a_batch(
+    kernels: CpuKernels, weight_format: WeightFormat
+) -> None:
+    x = randn(11, 576, seed=9)  # [M, K]
+    weight = quantize(randn(300, 576, seed=10) * 0.1, weight_format)
+    batched = torch.empty(11, 300)  # [M, N]
+    kernels.linear(x, weight, batched)
+    for m in (0, 4, 10):
+        alone = torch.empty(1, 300)
+        kernels.linear(x[m : m + 1], weight, alone)
+        assert torch.equal(alone[0], batched[m])
+
+
+def test_rows_select_and_concatenate_on_the_stored_bytes() -> None:
+    a = quantize(randn(8, 64, seed=11), WeightFormat.Q4_1)
+    b = quantize(randn(4, 64, seed=12), WeightFormat.Q4_1)
+    joined = cat_rows([a, b])
+    torch.testing.assert_close(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    order = [7, 0, 3]
+    torch.testing.assert_close(a.rows(order).dequantize(), a.dequantize()[order])
+    with pytest.raises(ValueError, match="one format"):
+        cat_rows([a, quantize(randn(4, 64, seed=13), WeightFormat.Q8_0)])
+
+
+def test_malformed_block_data_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of"):
+        quantize(randn(4, 40), WeightFormat.Q8_0)
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedWeight(torch.zeros(4, 33, dtype=torch.uint8), WeightFormat.Q8_0, (4, 32))
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 9])
+def test_int8_activations_match_their_reference(
+    kernels: CpuKernels, weight_format: WeightFormat, num_tokens: int
+) -> None:
+    x = randn(num_tokens, 576, seed=14)  # [M, K]
+    weight = quantize(randn(45, 576, seed=15) * 0.1, weight_format)
+    out = torch.empty(num_tokens, 45)
+    kernels.linear(x, weight, out, int8_activations=True)
+    torch.testing.assert_close(out, int8_activations_linear(x, weight), atol=1e-4, rtol=1e-4)
+    exact = reference.linear(x, weight.dequantize())
+    assert float((out - exact).abs().max()) < 0.02 * float(exact.abs().max())  # int8's own error, bounded
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_int8_activations_give_a_token_the_same_bits_alone_and_in_a_batch(
+    kernels: CpuKernels, weight_format: WeightFormat
+) -> None:
+    x = randn(7, 576, seed=16)
+    weight = quantize(randn(64, 576, seed=17) * 0.1, weight_format)
+    batched = torch.empty(7, 64)
+    kernels.linear(x, weight, batched, int8_activations=True)
+    for m in (0, 6):
+        alone = torch.empty(1, 64)
+        kernels.linear(x[m : m + 1], weight, alone, int8_activations=True)
+        assert torch.equal(alone[0], batched[m])
