@@ -41,6 +41,7 @@ def test_info_prints_the_verified_manifest_of_the_real_model(model_dir: Path) ->
         "chat_template.jinja",
         "config.json",
         "generation_config.json",
+        "model.gguf",  # the GGUF kept for model.weights gguf (its Q4_1/Q8_0 blocks as stored)
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
