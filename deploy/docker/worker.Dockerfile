@@ -11,7 +11,8 @@
 # mounted (or fetched by an init container) and checked against its manifest.json.
 #
 # The engine's CPU kernels (services/engine/ops/kernels.c) are C built with the system compiler at
-# first use; the image carries gcc and builds them once, here, into XDG_CACHE_HOME, so a pod with a
+# first use; the image carries gcc and builds them once, here, into XDG_CACHE_HOME (every variant: with
+# and without AVX-VNNI, since this host need not be the node's CPU), so a pod with a
 # read-only root filesystem finds them ready. The apt pins follow the pinned base image (Debian 12).
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -62,7 +63,7 @@ LABEL org.opencontainers.image.title="kvrelay-worker" \
 COPY --from=build-cpu /opt/venv /opt/venv
 COPY deploy/docker/kvrelay-healthcheck deploy/docker/kvrelay-verify-model /usr/local/bin/
 RUN python -c "import shutil; from services.engine.ops import build; \
-build._build(shutil.which('cc'), build.default_cache_dir())" \
+build.build_every_variant(shutil.which('cc'), build.default_cache_dir())" \
  && chmod -R a+rX /opt/kvrelay
 ENV KVRELAY_IMAGE_VERSION=${VERSION} \
     KVRELAY_IMAGE_MODEL_FINGERPRINT=${MODEL_FINGERPRINT}
@@ -87,7 +88,7 @@ LABEL org.opencontainers.image.title="kvrelay-worker" \
 COPY --from=build-cuda /opt/venv /opt/venv
 COPY deploy/docker/kvrelay-healthcheck deploy/docker/kvrelay-verify-model /usr/local/bin/
 RUN python -c "import shutil; from services.engine.ops import build; \
-build._build(shutil.which('cc'), build.default_cache_dir())" \
+build.build_every_variant(shutil.which('cc'), build.default_cache_dir())" \
  && chmod -R a+rX /opt/kvrelay
 ENV KVRELAY_IMAGE_VERSION=${VERSION} \
     KVRELAY_IMAGE_MODEL_FINGERPRINT=${MODEL_FINGERPRINT} \

@@ -4,6 +4,8 @@ ships; the kernels against the reference; batch invariance; and quantization err
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -19,13 +21,17 @@ from services.engine.ops.quant import (
     GGML_TYPES,
     QuantizedWeight,
     WeightFormat,
+    can_split,
     cat_rows,
     int8_activations_linear,
     quantize,
+    split,
 )
 from services.engine.prepare import default_gguf_path
 
-FORMATS = [WeightFormat.Q8_0, WeightFormat.Q4_1]
+GGUF_FORMATS = [WeightFormat.Q8_0, WeightFormat.Q4_1]
+FORMATS = [*GGUF_FORMATS, WeightFormat.Q4_1_SPLIT, WeightFormat.Q8_0_SPLIT]  # what the kernels read
+STORED = {WeightFormat.Q4_1_SPLIT: WeightFormat.Q4_1, WeightFormat.Q8_0_SPLIT: WeightFormat.Q8_0}
 GGML_OF = {WeightFormat.Q8_0: GGMLQuantizationType.Q8_0, WeightFormat.Q4_1: GGMLQuantizationType.Q4_1}
 
 
@@ -48,6 +54,13 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def blocks(weight: torch.Tensor, weight_format: WeightFormat) -> QuantizedWeight:
+    """`weight` quantized as `weight_format` (a split format: as stored, then regrouped)."""
+    if weight_format in STORED:
+        return split(quantize(weight, STORED[weight_format]))
+    return quantize(weight, weight_format)
+
+
 def gguf_dequantized(weight: QuantizedWeight) -> torch.Tensor:
     """gguf's own numpy dequantizer over the same bytes: an implementation that shares nothing with ours."""
     raw = weight.data.numpy()
@@ -55,7 +68,7 @@ def gguf_dequantized(weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape)
 
 
-@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("weight_format", GGUF_FORMATS)
 def test_the_reference_dequantizes_as_gguf_does(weight_format: WeightFormat) -> None:
     weight = quantize(randn(40, 96, seed=1), weight_format)
     torch.testing.assert_close(weight.dequantize(), gguf_dequantized(weight), atol=0, rtol=0)
@@ -90,14 +103,14 @@ def test_the_shipped_gguf_blocks_are_read_as_gguf_reads_them(gguf_tensors: dict[
             gguf_quants.dequantize(np.array(tensor.data), tensor.tensor_type)  # type: ignore[attr-defined]
         ).reshape(num_rows, num_cols)
         torch.testing.assert_close(weight.dequantize(), expected.float(), atol=0, rtol=0)
-    assert seen == set(FORMATS)
+    assert seen == set(GGUF_FORMATS)
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
 def test_the_kernel_dequantizes_exactly_as_the_reference(
     kernels: CpuKernels, weight_format: WeightFormat
 ) -> None:
-    weight = quantize(randn(70, 576, seed=3) * 0.05, weight_format)
+    weight = blocks(randn(70, 576, seed=3) * 0.05, weight_format)
     torch.testing.assert_close(kernels.dequantize(weight), weight.dequantize(), atol=0, rtol=0)
 
 
@@ -108,7 +121,7 @@ def test_linear_over_blocks_matches_the_reference(
     kernels: CpuKernels, weight_format: WeightFormat, num_tokens: int, in_features: int
 ) -> None:
     x = randn(num_tokens, in_features, seed=4)  # [M, K]
-    weight = quantize(randn(37, in_features, seed=5) * 0.1, weight_format)
+    weight = blocks(randn(37, in_features, seed=5) * 0.1, weight_format)
     out = torch.empty(num_tokens, 37)  # [M, N]
     kernels.linear(x, weight, out)
     torch.testing.assert_close(out, reference.linear(x, weight.dequantize()), atol=2e-5, rtol=1e-5)
@@ -120,7 +133,7 @@ def test_linear_over_blocks_accumulates_and_reads_strided_rows(
 ) -> None:
     wide = randn(6, 200, seed=6)  # [M, 200]: x is a column slice with row stride 200
     x = wide[:, 8:136]  # [M, 128]
-    weight = quantize(randn(50, 128, seed=7) * 0.1, weight_format)
+    weight = blocks(randn(50, 128, seed=7) * 0.1, weight_format)
     residual = randn(6, 50, seed=8)  # [M, N]
     out = residual.clone()
     kernels.linear(x, weight, out, accumulate=True)
@@ -133,7 +146,7 @@ def test_linear_over_blocks_gives_a_token_the_same_bits_alone_and_in_a_batch(
     kernels: CpuKernels, weight_format: WeightFormat
 ) -> None:
     x = randn(11, 576, seed=9)  # [M, K]
-    weight = quantize(randn(300, 576, seed=10) * 0.1, weight_format)
+    weight = blocks(randn(300, 576, seed=10) * 0.1, weight_format)
     batched = torch.empty(11, 300)  # [M, N]
     kernels.linear(x, weight, batched)
     for m in (0, 4, 10):
@@ -143,30 +156,31 @@ def test_linear_over_blocks_gives_a_token_the_same_bits_alone_and_in_a_batch(
 
 
 def test_rows_select_and_concatenate_on_the_stored_bytes() -> None:
-    a = quantize(randn(8, 64, seed=11), WeightFormat.Q4_1)
-    b = quantize(randn(4, 64, seed=12), WeightFormat.Q4_1)
+    a = blocks(randn(8, 64, seed=11), WeightFormat.Q4_1)
+    b = blocks(randn(4, 64, seed=12), WeightFormat.Q4_1)
     joined = cat_rows([a, b])
     torch.testing.assert_close(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     order = [7, 0, 3]
     torch.testing.assert_close(a.rows(order).dequantize(), a.dequantize()[order])
     with pytest.raises(ValueError, match="one format"):
-        cat_rows([a, quantize(randn(4, 64, seed=13), WeightFormat.Q8_0)])
+        cat_rows([a, blocks(randn(4, 64, seed=13), WeightFormat.Q8_0)])
 
 
 def test_malformed_block_data_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of"):
-        quantize(randn(4, 40), WeightFormat.Q8_0)
+        blocks(randn(4, 40), WeightFormat.Q8_0)
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight(torch.zeros(4, 33, dtype=torch.uint8), WeightFormat.Q8_0, (4, 32))
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 4, 9])
+@pytest.mark.parametrize("in_features", [576, 320])  # 320: 10 blocks, a short last group of split scales
 def test_int8_activations_match_their_reference(
-    kernels: CpuKernels, weight_format: WeightFormat, num_tokens: int
+    kernels: CpuKernels, weight_format: WeightFormat, num_tokens: int, in_features: int
 ) -> None:
-    x = randn(num_tokens, 576, seed=14)  # [M, K]
-    weight = quantize(randn(45, 576, seed=15) * 0.1, weight_format)
+    x = randn(num_tokens, in_features, seed=14)  # [M, K]
+    weight = blocks(randn(45, in_features, seed=15) * 0.1, weight_format)
     out = torch.empty(num_tokens, 45)
     kernels.linear(x, weight, out, int8_activations=True)
     torch.testing.assert_close(out, int8_activations_linear(x, weight), atol=1e-4, rtol=1e-4)
@@ -179,10 +193,51 @@ def test_int8_activations_give_a_token_the_same_bits_alone_and_in_a_batch(
     kernels: CpuKernels, weight_format: WeightFormat
 ) -> None:
     x = randn(7, 576, seed=16)
-    weight = quantize(randn(64, 576, seed=17) * 0.1, weight_format)
+    weight = blocks(randn(64, 576, seed=17) * 0.1, weight_format)
     batched = torch.empty(7, 64)
     kernels.linear(x, weight, batched, int8_activations=True)
     for m in (0, 6):
         alone = torch.empty(1, 64)
         kernels.linear(x[m : m + 1], weight, alone, int8_activations=True)
         assert torch.equal(alone[0], batched[m])
+
+
+@pytest.mark.parametrize("stored", GGUF_FORMATS)
+def test_split_regroups_the_same_blocks(kernels: CpuKernels, stored: WeightFormat) -> None:
+    """A split format holds the stored bytes regrouped: the same weights, and with fp32 activations the same
+    bits out of the kernel (only the int8 kernels read it differently)."""
+    weight = quantize(randn(30, 320, seed=18) * 0.1, stored)
+    regrouped = split(weight)
+    assert regrouped.nbytes == weight.nbytes and STORED[regrouped.format] == stored
+    assert torch.equal(regrouped.dequantize(), weight.dequantize())
+    assert torch.equal(regrouped.rows([4, 1]).dequantize(), weight.dequantize()[[4, 1]])
+    x = randn(5, 320, seed=19)
+    out_stored, out_split = torch.empty(5, 30), torch.empty(5, 30)
+    kernels.linear(x, weight, out_stored)
+    kernels.linear(x, regrouped, out_split)
+    assert torch.equal(out_stored, out_split)
+
+
+def test_q4_1_splits_only_with_an_even_number_of_blocks() -> None:
+    odd = quantize(randn(4, 96, seed=20), WeightFormat.Q4_1)  # 3 blocks a row
+    assert not can_split(odd) and can_split(quantize(randn(4, 96, seed=21), WeightFormat.Q8_0))
+    with pytest.raises(ValueError, match="even number of blocks"):
+        split(odd)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_the_avx_vnni_build_gives_the_avx2_builds_bits(
+    kernels: CpuKernels, weight_format: WeightFormat, tmp_path: Path
+) -> None:
+    """The int8 dot products take one AVX-VNNI instruction where the CPU has it, maddubs + madd elsewhere:
+    the same integer sums, so the same bits on every machine."""
+    if "avx_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI: only the AVX2 build can run here")
+    avx2 = load_cpu_kernels(tmp_path, flags=cpu_flags() - {"avx_vnni"})
+    assert avx2 is not None
+    x = randn(5, 576, seed=22)
+    weight = blocks(randn(70, 576, seed=23) * 0.1, weight_format)
+    with_vnni, without = torch.empty(5, 70), torch.empty(5, 70)
+    kernels.linear(x, weight, with_vnni, int8_activations=True)
+    avx2.linear(x, weight, without, int8_activations=True)
+    assert torch.equal(with_vnni, without)

@@ -17,9 +17,10 @@ in `dtype`. Two paths run the same math:
   of weights and differ only in fp32 rounding order.
 
 Weights may also come as GGUF blocks (`QuantizedWeight`, Q8_0 or Q4_1: services/engine/gguf_weights.py),
-kept as stored: the C kernels multiply by them directly, the torch path unpacks one matrix at a time
-into a reused fp32 buffer (`_BlockLinear`), and embeddings are unpacked per looked-up row. That needs the
-C kernels and fp32 compute; no copy of the weights in another format is kept.
+kept as stored (each row's bytes regrouped at load, quant.split): the C kernels multiply by them directly,
+the torch path unpacks one matrix at a time into a reused fp32 buffer (`_BlockLinear`), and embeddings are
+unpacked per looked-up row. That needs the C kernels and fp32 compute; no copy of the weights in another
+format is kept.
 """
 
 from __future__ import annotations
@@ -44,7 +45,15 @@ from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers
 from services.engine.ops.packed_linear import Linear, make_linear
-from services.engine.ops.quant import INT8_ACTIVATIONS, QuantizedWeight, Weight, WeightFormat, cat_rows
+from services.engine.ops.quant import (
+    INT8_ACTIVATIONS,
+    QuantizedWeight,
+    Weight,
+    WeightFormat,
+    can_split,
+    cat_rows,
+    split,
+)
 from services.engine.rope import RotaryEmbedding
 
 # Steps up to this many tokens take the C kernels: on an AVX2 Zen 3 they beat MKL's fp32 GEMM up to
@@ -190,8 +199,8 @@ class LlamaModel:
         layers = [self._load_layer(take, take_tensor, i) for i in range(config.num_layers)]
         lm_head = embed if is_tied else take("lm_head.weight")  # [vocab, hidden]
         check_all_weights_used(type(self).__name__, weights, used | {"lm_head.weight"})
-        self.weight_format = _one_format(layers)
         self.stored_layers, self.lm_head_stored = _pack_streamed_weights(layers, lm_head)
+        self.weight_format = _one_format(self.stored_layers)
         self.embed_tokens = self.lm_head_stored if is_tied else embed  # [vocab, hidden]
         self.device = self.norm.device
         on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
@@ -431,12 +440,17 @@ class LlamaModel:
 
 def _pack_streamed_weights(layers: list[LlamaLayer], lm_head: Weight) -> tuple[list[LlamaLayer], Weight]:
     """The matrices every decode step reads, moved into one huge-page buffer (ops/arena.py). GGUF blocks
-    and tensors of one dtype pack together; a model that mixes them packs only its tensors."""
+    and tensors of one dtype pack together; a model that mixes them packs only its tensors. Block rows are
+    regrouped for the kernels (quant.split) when every block matrix can be, so that the layers keep one
+    format."""
     matrices = [w for layer in layers for w in _projections(layer)] + [lm_head]
+    quantized = [w for w in matrices if isinstance(w, QuantizedWeight)]
+    if all(can_split(w) for w in quantized):
+        matrices = [split(w) if isinstance(w, QuantizedWeight) else w for w in matrices]
     data = [_data(w) for w in matrices]
-    if len({t.dtype for t in data}) != 1:
-        return layers, lm_head
-    packed = [_like(w, t) for w, t in zip(matrices, arena.pack(data), strict=True)]
+    packed = matrices
+    if len({t.dtype for t in data}) == 1:
+        packed = [_like(w, t) for w, t in zip(matrices, arena.pack(data), strict=True)]
     out = [
         dataclasses.replace(layer, **dict(zip(PROJECTIONS, packed[4 * i : 4 * i + 4], strict=True)))  # type: ignore[arg-type]
         for i, layer in enumerate(layers)

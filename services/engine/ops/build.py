@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# Instruction sets used where the CPU has them (its /proc/cpuinfo flag: the compiler option), each
+# combination its own library. AVX-VNNI: the int8 dot products of GGUF blocks in one instruction, same bits.
+OPTIONAL_CFLAGS = {"avx_vnni": "-mavxvnni"}
 COMPILERS = ("cc", "gcc")
 
 
@@ -45,11 +48,13 @@ def default_cache_dir() -> Path:
 def load_cpu_kernels(
     cache_dir: Path | None = None, *, source: Path = SOURCE, flags: frozenset[str] | None = None
 ) -> CpuKernels | None:
-    """The compiled CPU kernels, or None where the CPU (`flags`, default /proc/cpuinfo) lacks AVX2/FMA.
+    """The compiled CPU kernels, or None where the CPU (`flags`, default /proc/cpuinfo) lacks AVX2/FMA;
+    built with the OPTIONAL_CFLAGS the CPU has.
 
     Raises KernelBuildError where the CPU could run them but they cannot be built or loaded.
     """
-    if not can_run_cpu_kernels(cpu_flags() if flags is None else flags):
+    cpu = cpu_flags() if flags is None else flags
+    if not can_run_cpu_kernels(cpu):
         log.info("cpu kernels off: the CPU lacks AVX2/FMA; using the torch path")
         return None
     compiler = next((path for name in COMPILERS if (path := shutil.which(name))), None)
@@ -57,17 +62,26 @@ def load_cpu_kernels(
         raise KernelBuildError(f"no C compiler ({' or '.join(COMPILERS)}) on PATH to build {source}")
     if not source.is_file():
         raise KernelBuildError(f"the kernel source {source} is missing: kvrelay is installed without it")
-    library = _build(compiler, cache_dir or default_cache_dir(), source)
+    cflags = CFLAGS + tuple(option for flag, option in OPTIONAL_CFLAGS.items() if flag in cpu)
+    library = _build(compiler, cache_dir or default_cache_dir(), source, cflags)
     try:
         return CpuKernels(ctypes.CDLL(str(library)))
     except (OSError, AttributeError) as exc:
         raise KernelBuildError(f"the built kernels {library} do not load: {exc}") from exc
 
 
-def _build(compiler: str, cache_dir: Path, source: Path = SOURCE) -> Path:
-    """The cached library built from `source`; worker.Dockerfile calls this at image build time."""
+def build_every_variant(compiler: str, cache_dir: Path) -> list[Path]:
+    """The library for every combination of OPTIONAL_CFLAGS: worker.Dockerfile builds them all at image
+    build time, since the image's build host need not be the CPU it runs on."""
+    options = list(OPTIONAL_CFLAGS.values())
+    variants = [tuple(o for i, o in enumerate(options) if mask >> i & 1) for mask in range(1 << len(options))]
+    return [_build(compiler, cache_dir, SOURCE, CFLAGS + variant) for variant in variants]
+
+
+def _build(compiler: str, cache_dir: Path, source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS) -> Path:
+    """The cached library built from `source` with `cflags`."""
     code = source.read_bytes()
-    digest = hashlib.sha256(code + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(code + " ".join((compiler, *cflags)).encode()).hexdigest()[:16]
     target = cache_dir / f"kernels-{digest}.so"
     if target.is_file():
         return target
@@ -78,7 +92,7 @@ def _build(compiler: str, cache_dir: Path, source: Path = SOURCE) -> Path:
     except OSError as exc:
         raise KernelBuildError(f"cannot write the kernel cache {cache_dir}: {exc}") from exc
     try:
-        _compile([compiler, *CFLAGS, str(source), "-o", tmp, "-lm"])
+        _compile([compiler, *cflags, str(source), "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -9,7 +9,9 @@ rounds as ggml's reference quantizers do (Q8_0: d = max|w| / 127; Q4_1: d = (max
 so a block quantized here holds what llama.cpp's would (up to Q8_0's ties: torch rounds half to even).
 
 Rows are independent, so row operations (the Q/K row order GGUF converters apply, concatenating q, k
-and v into one projection) work on the stored bytes.
+and v into one projection) work on the stored bytes. At model load each row's bytes are then regrouped
+field by field (`split`: all scales, then all minimums, then all values; the same bytes, nothing
+dequantized), the layout the kernels read fastest.
 """
 
 from __future__ import annotations
@@ -31,10 +33,19 @@ class WeightFormat(IntEnum):
     BF16 = 1
     Q8_0 = 2
     Q4_1 = 3
+    Q4_1_SPLIT = 4  # Q4_1's blocks with each row regrouped: its scales, its minimums, its nibbles (split)
+    Q8_0_SPLIT = 5  # Q8_0's blocks with each row regrouped: its scales, its values (split)
 
 
 INT8_ACTIVATIONS = 16  # kernels.c KR_INT8_ACTIVATIONS: or-ed into a block format's code
-BLOCK_BYTES = {WeightFormat.Q8_0: 2 + BLOCK, WeightFormat.Q4_1: 2 + 2 + BLOCK // 2}
+BLOCK_BYTES = {
+    WeightFormat.Q8_0: 2 + BLOCK,
+    WeightFormat.Q4_1: 2 + 2 + BLOCK // 2,
+    WeightFormat.Q4_1_SPLIT: 2 + 2 + BLOCK // 2,
+    WeightFormat.Q8_0_SPLIT: 2 + BLOCK,
+}
+SPLIT = {WeightFormat.Q4_1: WeightFormat.Q4_1_SPLIT, WeightFormat.Q8_0: WeightFormat.Q8_0_SPLIT}
+_FIELDS = {WeightFormat.Q4_1: (2, 2, BLOCK // 2), WeightFormat.Q8_0: (2, BLOCK)}  # a block's fields, bytes
 # GGUF's tensor type IDs (ggml's GGMLQuantizationType) for the formats kept quantized.
 GGML_TYPES = {8: WeightFormat.Q8_0, 3: WeightFormat.Q4_1}
 
@@ -69,6 +80,8 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The weights as fp32 [N, K] (the reference for kr_dequantize)."""
         num_rows, num_cols = self.shape
+        if self.format in SPLIT.values():
+            return _join(self).dequantize()
         blocks = self.data.view(num_rows, num_cols // BLOCK, BLOCK_BYTES[self.format])
         scale = _fp16(blocks[..., 0:2])  # [N, num_blocks, 1]
         if self.format == WeightFormat.Q8_0:
@@ -90,6 +103,44 @@ def cat_rows(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError("only weights of one format and one number of columns concatenate")
     data = torch.cat([w.data for w in weights])
     return QuantizedWeight(data, first.format, (data.shape[0], first.shape[1]))
+
+
+def can_split(weight: QuantizedWeight) -> bool:
+    """Whether `split` regroups `weight`: Q8_0, or Q4_1 with an even number of blocks per row."""
+    if weight.format == WeightFormat.Q4_1:
+        return weight.shape[1] // BLOCK % 2 == 0
+    return weight.format == WeightFormat.Q8_0
+
+
+def split(weight: QuantizedWeight) -> QuantizedWeight:
+    """The rows regrouped field by field (kernels.c Q4_1S, Q8_0S): Q4_1 as [scales][minimums][nibbles],
+    Q8_0 as [scales][values]. The same blocks and bytes, laid out so the int8 kernels convert eight blocks'
+    scales at once and read a row's values back to back (Q4_1: two blocks' nibbles in one load)."""
+    if not can_split(weight):
+        raise ValueError(
+            f"only Q8_0, and Q4_1 with an even number of blocks per row, split: {weight.format!r}"
+        )
+    num_rows, num_cols = weight.shape
+    blocks = weight.data.view(num_rows, num_cols // BLOCK, BLOCK_BYTES[weight.format])
+    parts, offset = [], 0
+    for size in _FIELDS[weight.format]:
+        parts.append(blocks[..., offset : offset + size].reshape(num_rows, -1))  # [N, num_blocks * size]
+        offset += size
+    return QuantizedWeight(torch.cat(parts, dim=1).contiguous(), SPLIT[weight.format], weight.shape)
+
+
+def _join(weight: QuantizedWeight) -> QuantizedWeight:
+    """`split` undone: ggml's blocks."""
+    stored = next(plain for plain, split_format in SPLIT.items() if split_format == weight.format)
+    num_rows, num_cols = weight.shape
+    num_blocks = num_cols // BLOCK
+    fields, offset = [], 0
+    for size in _FIELDS[stored]:
+        part = weight.data[:, offset * num_blocks : (offset + size) * num_blocks]
+        fields.append(part.reshape(num_rows, num_blocks, size))
+        offset += size
+    data = torch.cat(fields, dim=-1).reshape(num_rows, -1)
+    return QuantizedWeight(data.contiguous(), stored, weight.shape)
 
 
 def quantize(weight: torch.Tensor, weight_format: WeightFormat) -> QuantizedWeight:
