@@ -21,6 +21,18 @@
 
 #define TILE_M 4 /* tokens that share one pass over a weight row */
 
+/* Runs `call` with MB, the number of tokens in this tile (1..TILE_M), as a compile-time constant, so the
+ * always-inline row-dot functions it calls unroll their loops over the tile for each height. */
+#define WITH_TILE_HEIGHT(mb, call)                                                                  \
+    do {                                                                                            \
+        switch (mb) {                                                                               \
+        case 1: { enum { MB = 1 }; call; } break;                                                   \
+        case 2: { enum { MB = 2 }; call; } break;                                                   \
+        case 3: { enum { MB = 3 }; call; } break;                                                   \
+        default: { enum { MB = TILE_M }; call; } break;                                             \
+        }                                                                                           \
+    } while (0)
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -48,9 +60,10 @@ static inline __m256 exp8(__m256 x) {
 
 /* Dot products of one weight row with MB activation rows, over 16 weights per step: half of the products
  * go to accumulator a0 and half to a1 (fp32: elements 0-7 and 8-15; bf16: even and odd elements), and the
- * result is hsum(a0 + a1) for every MB, so the order of the sums does not depend on the batch. bf16 rows are read 16 at a time and split into their even and odd
- * elements with one shift and one mask (cheaper than widening 8 at a time); x must then be given with
- * each 16-block reordered as [even elements | odd elements] (see permute_even_odd). */
+ * result is hsum(a0 + a1) for every MB, so the order of the sums does not depend on the batch. bf16 rows
+ * are read 16 at a time and split into their even and odd elements with one shift and one mask (cheaper
+ * than widening 8 at a time); x must then be given with each 16-block reordered as [even elements | odd
+ * elements] (see permute_even_odd). */
 static inline __attribute__((always_inline)) void row_dot(const float *x, int64_t ldx, const int MB,
                                                           const void *w, int64_t K, const int is_bf16,
                                                           float *out) {
@@ -91,17 +104,6 @@ static inline __attribute__((always_inline)) void row_dot(const float *x, int64_
         for (int m = 0; m < MB; m++) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
     }
     for (int m = 0; m < MB; m++) out[m] = hsum8(_mm256_add_ps(a0[m], a1[m]));
-}
-
-static inline __attribute__((always_inline)) void row_dot_any(const float *x, int64_t ldx, int mb,
-                                                              const void *w, int64_t K, const int is_bf16,
-                                                              float *out) {
-    switch (mb) {
-    case 1: row_dot(x, ldx, 1, w, K, is_bf16, out); break;
-    case 2: row_dot(x, ldx, 2, w, K, is_bf16, out); break;
-    case 3: row_dot(x, ldx, 3, w, K, is_bf16, out); break;
-    default: row_dot(x, ldx, 4, w, K, is_bf16, out); break;
-    }
 }
 
 /* Weight formats (ops/quant.py WeightFormat). A row of a block format holds nb = K / QK blocks:
@@ -233,18 +235,6 @@ static inline __attribute__((always_inline)) void row_dot_blocks(const float *x,
         }
     }
     for (int i = 0; i < MB; i++) out[i] = hsum8(acc[i]) + min_acc[i];
-}
-
-static inline __attribute__((always_inline)) void row_dot_blocks_any(const float *x, int64_t ldx, int mb,
-                                                                     const void *w, int64_t K,
-                                                                     const int format, const float *xsum,
-                                                                     int64_t ldxs, float *out) {
-    switch (mb) {
-    case 1: row_dot_blocks(x, ldx, 1, w, K, format, xsum, ldxs, out); break;
-    case 2: row_dot_blocks(x, ldx, 2, w, K, format, xsum, ldxs, out); break;
-    case 3: row_dot_blocks(x, ldx, 3, w, K, format, xsum, ldxs, out); break;
-    default: row_dot_blocks(x, ldx, 4, w, K, format, xsum, ldxs, out); break;
-    }
 }
 
 /* xsum[m, b] = the sum of x[m, b * QK .. b * QK + QK - 1], for Q4_1's minimums. */
@@ -394,17 +384,6 @@ static inline __attribute__((always_inline)) void row_dot_x8(const block_x8 *xq,
     for (int i = 0; i < MB; i++) out[i] = hsum8(acc[i]) + min_acc[i];
 }
 
-static inline __attribute__((always_inline)) void row_dot_x8_any(const block_x8 *xq, int64_t ldq, int mb,
-                                                                 const void *w, int64_t K, const int format,
-                                                                 float *out) {
-    switch (mb) {
-    case 1: row_dot_x8(xq, ldq, 1, w, K, format, out); break;
-    case 2: row_dot_x8(xq, ldq, 2, w, K, format, out); break;
-    case 3: row_dot_x8(xq, ldq, 3, w, K, format, out); break;
-    default: row_dot_x8(xq, ldq, 4, w, K, format, out); break;
-    }
-}
-
 /* Dot products of one Q4_1S weight row (nb blocks) with MB tokens of int8 activations in pairs (xq, ldq
  * pairs per token; sums xs, lds per token). Per two blocks: one 32-byte load gives both blocks' low
  * nibbles (elements 0-15) and high nibbles (16-31), each an integer dot product whose eight int32 lanes
@@ -452,18 +431,6 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
     for (int i = 0; i < MB; i++) out[i] = hsum8(_mm256_add_ps(lo_acc[i], hi_acc[i])) + hsum8(min_acc[i]);
 }
 
-static inline __attribute__((always_inline)) void row_dot_x8_split_any(const pair_x8 *xq, int64_t ldq,
-                                                                       const float *xs, int64_t lds,
-                                                                       int mb, const void *w, int64_t nb,
-                                                                       float *out) {
-    switch (mb) {
-    case 1: row_dot_x8_split(xq, ldq, xs, lds, 1, w, nb, out); break;
-    case 2: row_dot_x8_split(xq, ldq, xs, lds, 2, w, nb, out); break;
-    case 3: row_dot_x8_split(xq, ldq, xs, lds, 3, w, nb, out); break;
-    default: row_dot_x8_split(xq, ldq, xs, lds, 4, w, nb, out); break;
-    }
-}
-
 /* Dot products of one Q8_0S weight row (nb blocks) with MB tokens of int8 activations (block_x8): per
  * block one 32-byte load; the weights' signs move onto the activations (maddubs multiplies unsigned by
  * signed); eight blocks' scales convert at once. Even and odd blocks sum apart (two dependency chains). */
@@ -493,17 +460,6 @@ static inline __attribute__((always_inline)) void row_dot_x8_split8(const block_
         }
     }
     for (int i = 0; i < MB; i++) out[i] = hsum8(_mm256_add_ps(acc[0][i], acc[1][i]));
-}
-
-static inline __attribute__((always_inline)) void row_dot_x8_split8_any(const block_x8 *xq, int64_t ldq,
-                                                                        int mb, const void *w, int64_t nb,
-                                                                        float *out) {
-    switch (mb) {
-    case 1: row_dot_x8_split8(xq, ldq, 1, w, nb, out); break;
-    case 2: row_dot_x8_split8(xq, ldq, 2, w, nb, out); break;
-    case 3: row_dot_x8_split8(xq, ldq, 3, w, nb, out); break;
-    default: row_dot_x8_split8(xq, ldq, 4, w, nb, out); break;
-    }
 }
 
 /* out [N, K] fp32 = the weights of w [N, K] in a block format (the prefill path's per-matrix unpacking). */
@@ -590,16 +546,19 @@ void kr_linear(const float *x, int64_t ldx, const void *w, int format, float *y,
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
             float dots[TILE_M];
             int mb = (int)(M - m0 < TILE_M ? M - m0 : TILE_M);
+            const float *xm = x + m0 * ldx, *sums = xbuf + m0 * ldxs; /* fp32 rows; Q4_1 block sums */
+            const block_x8 *qm = xq + m0 * ldxs;                          /* int8 blocks */
+            const pair_x8 *pm = xp + m0 * ldp;                            /* int8 pairs, for Q4_1S */
             if (split_x8)
-                row_dot_x8_split_any(xp + m0 * ldp, ldp, xs + m0 * lds, lds, mb, row, ldxs, dots);
+                WITH_TILE_HEIGHT(mb, row_dot_x8_split(pm, ldp, xs + m0 * lds, lds, MB, row, ldxs, dots));
             else if (int8_blocks && format == KR_Q8_0S)
-                row_dot_x8_split8_any(xq + m0 * ldxs, ldxs, mb, row, ldxs, dots);
+                WITH_TILE_HEIGHT(mb, row_dot_x8_split8(qm, ldxs, MB, row, ldxs, dots));
             else if (int8_blocks)
-                row_dot_x8_any(xq + m0 * ldxs, ldxs, mb, row, K, format, dots);
+                WITH_TILE_HEIGHT(mb, row_dot_x8(qm, ldxs, MB, row, K, format, dots));
             else if (blocks)
-                row_dot_blocks_any(x + m0 * ldx, ldx, mb, row, K, format, xbuf + m0 * ldxs, ldxs, dots);
+                WITH_TILE_HEIGHT(mb, row_dot_blocks(xm, ldx, MB, row, K, format, sums, ldxs, dots));
             else
-                row_dot_any(x + m0 * ldx, ldx, mb, row, K, format == KR_BF16, dots);
+                WITH_TILE_HEIGHT(mb, row_dot(xm, ldx, MB, row, K, format == KR_BF16, dots));
             for (int m = 0; m < mb; m++) {
                 float *dst = y + (m0 + m) * ldy + n;
                 *dst = accumulate ? *dst + dots[m] : dots[m];
