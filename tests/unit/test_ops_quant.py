@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
 from services.engine.ops import reference
-from services.engine.ops.build import load_cpu_kernels
+from services.engine.ops.build import OPTIONAL_CFLAGS, load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
 from services.engine.ops.quant import (
@@ -225,19 +225,36 @@ def test_q4_1_splits_only_with_an_even_number_of_blocks() -> None:
         split(odd)
 
 
-@pytest.mark.parametrize("weight_format", FORMATS)
-def test_the_avx_vnni_build_gives_the_avx2_builds_bits(
-    kernels: CpuKernels, weight_format: WeightFormat, tmp_path: Path
+@pytest.fixture(scope="module")
+def avx2_kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    """The kernels built with none of the optional instruction sets."""
+    if not can_run_cpu_kernels(cpu_flags()):
+        pytest.skip("the CPU lacks AVX2/FMA/F16C, which the C kernels need")
+    loaded = load_cpu_kernels(tmp_path_factory.mktemp("avx2"), flags=cpu_flags() - set(OPTIONAL_CFLAGS))
+    assert loaded is not None
+    return loaded
+
+
+@pytest.mark.parametrize("variant", sorted(OPTIONAL_CFLAGS))
+def test_each_instruction_set_variant_gives_the_avx2_builds_bits(
+    avx2_kernels: CpuKernels, variant: str, tmp_path: Path
 ) -> None:
-    """The int8 dot products take one AVX-VNNI instruction where the CPU has it, maddubs + madd elsewhere:
-    the same integer sums, so the same bits on every machine."""
-    if "avx_vnni" not in cpu_flags():
-        pytest.skip("this CPU has no AVX-VNNI: only the AVX2 build can run here")
-    avx2 = load_cpu_kernels(tmp_path, flags=cpu_flags() - {"avx_vnni"})
-    assert avx2 is not None
-    x = randn(5, 576, seed=22)
-    weight = blocks(randn(70, 576, seed=23) * 0.1, weight_format)
-    with_vnni, without = torch.empty(5, 70), torch.empty(5, 70)
-    kernels.linear(x, weight, with_vnni, int8_activations=True)
-    avx2.linear(x, weight, without, int8_activations=True)
-    assert torch.equal(with_vnni, without)
+    """The int8 dot products take one AVX-VNNI instruction, or AVX512-VNNI's two blocks at once, where the
+    CPU has them, maddubs + madd elsewhere: the same integer sums summed in the same order, so the same
+    bits on every machine. Every format, tile heights 4 and 1, a short last group of split scales (320)
+    and a lone last Q8_0 block (224: 7 blocks; Q4_1 stays unsplit there)."""
+    if variant not in cpu_flags():
+        pytest.skip(f"this CPU has no {variant}: only builds without it can run here")
+    with_variant = load_cpu_kernels(tmp_path, flags=cpu_flags() - set(OPTIONAL_CFLAGS) | {variant})
+    assert with_variant is not None
+    for in_features in (576, 320, 224):
+        x = randn(5, in_features, seed=22)
+        for weight_format in FORMATS:
+            stored = STORED.get(weight_format, weight_format)
+            weight = quantize(randn(70, in_features, seed=23) * 0.1, stored)
+            if weight_format in STORED and can_split(weight):
+                weight = split(weight)
+            with_it, without = torch.empty(5, 70), torch.empty(5, 70)
+            with_variant.linear(x, weight, with_it, int8_activations=True)
+            avx2_kernels.linear(x, weight, without, int8_activations=True)
+            assert torch.equal(with_it, without), (weight.format, in_features)

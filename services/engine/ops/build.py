@@ -1,4 +1,5 @@
-"""Compiles kernels.c once per source and compiler, caches the shared library, and loads it.
+"""Compiles kernels.c (with the blocks.h it includes) once per source and compiler, caches the shared
+library, and loads it.
 
 The library is built with the system C compiler into `~/.cache/kvrelay/ops` (or `$XDG_CACHE_HOME`),
 named by a hash of the source, flags and compiler, and written through a temporary file and a rename, so
@@ -33,10 +34,15 @@ from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
+HEADERS = (SOURCE.with_name("blocks.h"),)  # what kernels.c includes: hashed with it, found with -I
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-# Instruction sets used where the CPU has them (its /proc/cpuinfo flag: the compiler option), each
-# combination its own library. AVX-VNNI: the int8 dot products of GGUF blocks in one instruction, same bits.
-OPTIONAL_CFLAGS = {"avx_vnni": "-mavxvnni"}
+# Instruction sets used where the CPU has them (its /proc/cpuinfo flag: the compiler options), each
+# combination its own library, every one giving the same bits. AVX-VNNI: the int8 dot products of GGUF
+# blocks in one instruction; AVX512-VNNI (every CPU with it has AVX512 F/BW/VL): two blocks' at once.
+OPTIONAL_CFLAGS = {
+    "avx_vnni": ("-mavxvnni",),
+    "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+}
 COMPILERS = ("cc", "gcc")
 
 
@@ -60,9 +66,10 @@ def load_cpu_kernels(
     compiler = next((path for name in COMPILERS if (path := shutil.which(name))), None)
     if compiler is None:
         raise KernelBuildError(f"no C compiler ({' or '.join(COMPILERS)}) on PATH to build {source}")
-    if not source.is_file():
-        raise KernelBuildError(f"the kernel source {source} is missing: kvrelay is installed without it")
-    cflags = CFLAGS + tuple(option for flag, option in OPTIONAL_CFLAGS.items() if flag in cpu)
+    for part in (source, *HEADERS):
+        if not part.is_file():
+            raise KernelBuildError(f"the kernel source {part} is missing: kvrelay is installed without it")
+    cflags = CFLAGS + tuple(o for flag, options in OPTIONAL_CFLAGS.items() if flag in cpu for o in options)
     library = _build(compiler, cache_dir or default_cache_dir(), source, cflags)
     try:
         return CpuKernels(ctypes.CDLL(str(library)))
@@ -74,13 +81,16 @@ def build_every_variant(compiler: str, cache_dir: Path) -> list[Path]:
     """The library for every combination of OPTIONAL_CFLAGS: worker.Dockerfile builds them all at image
     build time, since the image's build host need not be the CPU it runs on."""
     options = list(OPTIONAL_CFLAGS.values())
-    variants = [tuple(o for i, o in enumerate(options) if mask >> i & 1) for mask in range(1 << len(options))]
+    variants = [
+        tuple(o for i, group in enumerate(options) if mask >> i & 1 for o in group)
+        for mask in range(1 << len(options))
+    ]
     return [_build(compiler, cache_dir, SOURCE, CFLAGS + variant) for variant in variants]
 
 
 def _build(compiler: str, cache_dir: Path, source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS) -> Path:
     """The cached library built from `source` with `cflags`."""
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     digest = hashlib.sha256(code + " ".join((compiler, *cflags)).encode()).hexdigest()[:16]
     target = cache_dir / f"kernels-{digest}.so"
     if target.is_file():
@@ -92,7 +102,7 @@ def _build(compiler: str, cache_dir: Path, source: Path = SOURCE, cflags: tuple[
     except OSError as exc:
         raise KernelBuildError(f"cannot write the kernel cache {cache_dir}: {exc}") from exc
     try:
-        _compile([compiler, *cflags, str(source), "-o", tmp, "-lm"])
+        _compile([compiler, *cflags, f"-I{SOURCE.parent}", str(source), "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
