@@ -44,8 +44,8 @@ class ModelConfig(_Section):
     # Which weights the engine loads (services/engine/loader.py): safetensors, the prepared directory's
     # float weights in model.dtype; gguf, the GGUF's Q4_1/Q8_0 blocks as stored (model.gguf, kept by
     # `kvrelay models prepare`), run by the CPU kernels with fp32 activations; gguf-int8, the same with
-    # the decode kernels on int8 activations (llama.cpp's way); auto: safetensors until the blocks are
-    # faster at every batch size (loader.choose_weights).
+    # the decode kernels on int8 activations; auto: gguf-int8 where the blocks are faster at every batch
+    # size (a CPU that emulates bf16 matmuls, dtype auto), else safetensors (loader.choose_weights).
     weights: Literal["auto", "safetensors", "gguf", "gguf-int8"] = "auto"
 
 

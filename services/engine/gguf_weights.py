@@ -29,6 +29,7 @@ from services.engine.ops.quant import GGML_TYPES, QuantizedWeight, Weight
 FLOAT_TYPES = {0: np.float32, 1: np.float16}
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(GGML_TYPES)
 ARCHITECTURES = ("llama",)
+BLOCK_ARCHITECTURES = ("LlamaForCausalLM",)  # the prepared config.json's architecture for those
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

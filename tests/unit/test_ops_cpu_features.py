@@ -1,4 +1,5 @@
-"""CPU feature detection and the `model.dtype` -> precision choice that rests on it."""
+"""CPU feature detection and the choices that rest on it: `model.dtype` -> precision, `model.weights`
+auto -> the weights served."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from services.common.errors import ConfigError
-from services.engine.loader import Precision, resolve_precision
+from services.common.manifest import GGUF_WEIGHTS_NAME
+from services.engine.loader import Precision, choose_weights, resolve_precision
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
@@ -57,3 +59,31 @@ def test_float32_on_request_is_pure_float32() -> None:
 def test_unknown_dtype_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="float16"):
         resolve_precision("float16")
+
+
+@pytest.fixture
+def kept_gguf(tmp_path: Path) -> Path:
+    """A model directory that kept its GGUF (choose_weights looks only for the file)."""
+    (tmp_path / GGUF_WEIGHTS_NAME).write_bytes(b"GGUF")
+    return tmp_path
+
+
+def test_auto_weights_take_the_int8_blocks_only_where_they_win_everywhere(kept_gguf: Path) -> None:
+    """The blocks beat the safetensors at every batch size where bf16 is emulated (docs/performance.md),
+    and lose batches and prefill to AMX: auto follows that, and anything the blocks cannot run on."""
+    llama = "LlamaForCausalLM"
+
+    def auto(model_dir: Path | None = kept_gguf, **given: object) -> str:
+        settings: dict[str, object] = {"architecture": llama, "dtype": "auto", "device": "cpu", "flags": AVX2}
+        return choose_weights("auto", model_dir, **{**settings, **given})  # type: ignore[arg-type]
+
+    assert auto() == "gguf-int8"
+    assert auto(flags=ZEN4) == auto(flags=SAPPHIRE_RAPIDS) == "safetensors"  # native bf16
+    assert auto(flags=frozenset({"sse4_2", "avx"})) == "safetensors"  # no kernels
+    assert auto(dtype="float32") == auto(dtype="bfloat16") == "safetensors"  # a float dtype asked for
+    assert auto(device="cuda") == auto(attention="torch") == "safetensors"
+    assert auto(architecture="Gemma3ForCausalLM") == "safetensors"
+    assert auto(model_dir=kept_gguf / "missing") == auto(model_dir=None) == "safetensors"
+    assert choose_weights("gguf", None) == "gguf"  # an explicit setting is never second-guessed
+    with pytest.raises(ConfigError, match="model.weights"):
+        choose_weights("q4", kept_gguf)
