@@ -61,11 +61,12 @@ def choose_weights(
     """`model.weights` resolved. "auto" takes the GGUF blocks with int8 activations (gguf-int8) where they
     are faster at every batch size and prefill: a CPU whose bf16 matrix multiplies are emulated (no
     AVX512-BF16 or AMX), with `model.dtype` and `engine.attention` auto, serving a Llama-family directory
-    that kept its GGUF (`kvrelay models prepare` keeps it only when every tensor can stay in blocks). Measured on a
-    Sapphire Rapids VM held to AVX2 (docs/performance.md, "GGUF blocks"): prefill 663 against 617 tok/s,
-    batch 1 144 against 71, batch 32 341 against 291; and its greedy continuations match the fp32 model's
-    at least as often as the bf16 weights'. Where bf16 runs in hardware (AMX), oneDNN's bf16 GEMM is 1.6x
-    the int8 kernels at batch 32 and 2.7x at prefill, so auto keeps the safetensors there, as on a GPU."""
+    that kept its GGUF (`kvrelay models prepare` keeps it only when every tensor can stay in blocks).
+    Measured on a Sapphire Rapids VM held to AVX2 (docs/performance.md, "GGUF blocks"): prefill 663
+    against 617 tok/s, batch 1 144 against 71, batch 32 341 against 291; and its greedy continuations
+    match the fp32 model's at least as often as the bf16 weights'. Where bf16 runs in hardware (AMX),
+    oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x at prefill, so auto keeps the
+    safetensors there, as on a GPU."""
     if weights in WEIGHT_CHOICES:
         return weights
     if weights != "auto":

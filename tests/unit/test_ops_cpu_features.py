@@ -85,5 +85,5 @@ def test_auto_weights_take_the_int8_blocks_only_where_they_win_everywhere(kept_g
     assert auto(architecture="Gemma3ForCausalLM") == "safetensors"
     assert auto(model_dir=kept_gguf / "missing") == auto(model_dir=None) == "safetensors"
     assert choose_weights("gguf", None) == "gguf"  # an explicit setting is never second-guessed
-    with pytest.raises(ConfigError, match="model.weights"):
+    with pytest.raises(ConfigError, match=r"model\.weights"):
         choose_weights("q4", kept_gguf)
