@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model-fingerprint",
         default=None,
-        help="the pool's model; workers reporting another are never used (default: the first to answer)",
+        help="the pool's model directory (its manifest's model_fingerprint); workers of another are never "
+        "used (default: the first to answer)",
     )
     p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
     p.add_argument("--workers", default=None, help="static: comma-separated HOST:PORT list")

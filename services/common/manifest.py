@@ -100,6 +100,13 @@ class Manifest:
     model_fingerprint: str
     source: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def directory_fingerprint(self) -> str:
+        """The prepared directory's model fingerprint: `model_fingerprint` itself, unless the weights served
+        are another form of the directory's (GGUF blocks, loader.weights_fingerprint), whose manifest keeps
+        the directory's under source["directory_fingerprint"]."""
+        return self.source.get("directory_fingerprint", self.model_fingerprint)
+
     def to_json(self) -> str:
         body = {
             "format": MANIFEST_FORMAT,

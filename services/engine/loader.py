@@ -180,7 +180,8 @@ def _load_gguf_blocks(
         )
     blocks = load_gguf_weights(gguf, config)
     fingerprint = weights_fingerprint(manifest.model_fingerprint, weights)
-    served = dataclasses.replace(manifest, model_fingerprint=fingerprint)
+    provenance = {**manifest.source, "weights": weights, "directory_fingerprint": manifest.model_fingerprint}
+    served = dataclasses.replace(manifest, model_fingerprint=fingerprint, source=provenance)
     precision = Precision(torch.float32, torch.float32, blocks=True)
     int8 = weights == "gguf-int8"
     return _build(config, blocks, served, precision, "float32", attention, block_size, int8)  # type: ignore[arg-type]

@@ -123,8 +123,11 @@ class ReplicaSet:
         self.tokens = tokens
         self.tls = tls or TlsConfig()
         self.replicas: list[Replica] = []
-        # The pool's model: given, or else the first replica to report one defines it.
-        self.model_fingerprint: str | None = model_fingerprint
+        # The pool's model directory, when pinned (--model-fingerprint: a manifest's model_fingerprint).
+        self.pinned_fingerprint = model_fingerprint
+        # The weights the pool serves: the first replica of the pinned directory (or the first at all) to
+        # report defines them; prefix hashes chain from it, and a replica serving other weights is unused.
+        self.model_fingerprint: str | None = None
         self.watch_kv_events = watch_kv_events
         self.num_ejections = 0
         self.apply([Endpoint(address, f"worker-{i}") for i, address in enumerate(addresses)])
@@ -241,9 +244,14 @@ class ReplicaSet:
         if replica.info is None:
             return
         fingerprint = replica.info.model_fingerprint
-        if self.model_fingerprint is None:
-            self.model_fingerprint = fingerprint
-        replica.fingerprint_ok = fingerprint == self.model_fingerprint
+        directory = replica.info.directory_fingerprint or fingerprint  # a worker before the field: the same
+        pinned = self.pinned_fingerprint
+        if pinned is None or pinned in (directory, fingerprint):
+            if self.model_fingerprint is None:
+                self.model_fingerprint = fingerprint
+            replica.fingerprint_ok = fingerprint == self.model_fingerprint
+        else:
+            replica.fingerprint_ok = False
         if not replica.fingerprint_ok:
             log.error(
                 "replica serves another model; never used",
@@ -251,7 +259,8 @@ class ReplicaSet:
                     "replica": replica.name,
                     "address": replica.address,
                     "model_fingerprint": fingerprint,
-                    "expected_fingerprint": self.model_fingerprint,
+                    "directory_fingerprint": directory,
+                    "expected_fingerprint": self.model_fingerprint or pinned,
                 },
             )
 

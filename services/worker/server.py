@@ -65,6 +65,7 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         max_model_len=core.max_model_len,
         block_size=core.block_size,
         model_fingerprint=core.manifest.model_fingerprint,
+        directory_fingerprint=core.manifest.directory_fingerprint,
         tokenizer_fingerprint=core.manifest.tokenizer_fingerprint,
         vocab_size=core.model_config.vocab_size,
         role=role,

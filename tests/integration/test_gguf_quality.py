@@ -94,3 +94,6 @@ def test_block_weights_have_their_own_fingerprint_and_stay_near_the_gguf_size(
         int8.manifest.model_fingerprint,
     }
     assert len(fingerprints) == 3  # prefix caches and P/D pairs never mix the three
+    # each still names the directory it came from (workers report it; the router's pin is on it)
+    assert plain.manifest.directory_fingerprint == int8.manifest.directory_fingerprint
+    assert int8.manifest.directory_fingerprint == manifest.model_fingerprint == manifest.directory_fingerprint
