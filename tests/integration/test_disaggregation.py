@@ -42,6 +42,10 @@ class PDStack:
             # Tokens and transports are checked here, not speed: a 1,500-token prompt on one thread of a
             # loaded 2-core CI machine must not fall back for slowness (the default is 30 s).
             KVRELAY_DISAGGREGATION__TRANSFER_TIMEOUT_MS="240000",
+            # The workers expect ipc (router-ipc uses it), so P starts torch's shared-memory manager at
+            # start: started by the first transfer instead, it forks from a gRPC thread, which on a loaded
+            # machine left it unanswering ("no response from torch_shm_manager") and the transfer fell back.
+            KVRELAY_DISAGGREGATION__TRANSPORT="ipc",
         )
         self.addresses = {name: f"127.0.0.1:{free_port()}" for name in ("prefill", "decode", "colocated")}
         self.workers = {
