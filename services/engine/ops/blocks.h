@@ -23,6 +23,10 @@ static inline __m512 join_halves(__m256 lo, __m256 hi) {
     const __m512d wide = _mm512_castpd256_pd512(_mm256_castps_pd(lo));
     return _mm512_castpd_ps(_mm512_insertf64x4(wide, _mm256_castps_pd(hi), 1));
 }
+/* Lanes 8-15 of v (extractf32x8 needs AVX512DQ too) */
+static inline __m256 high_half(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
 #endif
 /* How far ahead of the block being read the block kernels prefetch. Batch-1 decode streams every weight
  * once per step and is bound by memory: on a 2-core Sapphire Rapids VM 4 KB ahead took SmolLM2's gguf-int8
@@ -330,26 +334,24 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
         for (int p = 0; p < r / 2; p++) {
             const uint8_t *src = qs + 16 * (g + 2 * p);
             _mm_prefetch((const char *)src + PREFETCH_AHEAD, _MM_HINT_T0);
+            const __m256i pick = _mm256_add_epi32(pair_lanes, _mm256_set1_epi32(2 * p));
+            const __m256 dw = _mm256_permutevar8x32_ps(dw8, pick); /* [d of block a x 4, d of b x 4] */
 #ifdef KR_VNNI512
             const __m512i twice = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)src));
             const __m512i both = /* [low nibbles of both blocks, high nibbles] */
                 _mm512_and_si512(_mm512_srlv_epi16(twice, half_shift), nibble512);
-            const __m256i pick = _mm256_add_epi32(pair_lanes, _mm256_set1_epi32(2 * p));
-            const __m256 dw_pair = _mm256_permutevar8x32_ps(dw8, pick);
-            const __m512 dw = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(dw_pair)));
+            const __m512 dw2 = join_halves(dw, dw);
             for (int i = 0; i < MB; i++) {
                 const pair_x8 *xp = xq + i * ldq + (g / 2 + p);
                 const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), both,
                                                          _mm512_loadu_si512((const void *)xp->qs));
-                const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xp->d));
+                const __m512 scale = _mm512_mul_ps(dw2, _mm512_loadu_ps(xp->d));
                 acc512[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc512[i]);
             }
 #else
             const __m256i v = _mm256_loadu_si256((const __m256i *)src);
             const __m256i lo = _mm256_and_si256(v, nibble);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            const __m256i pick = _mm256_add_epi32(pair_lanes, _mm256_set1_epi32(2 * p));
-            const __m256 dw = _mm256_permutevar8x32_ps(dw8, pick); /* [d of block a x 4, d of b x 4] */
             for (int i = 0; i < MB; i++) {
                 const pair_x8 *xp = xq + i * ldq + (g / 2 + p);
                 const __m256i slo = dot4(lo, _mm256_loadu_si256((const __m256i *)xp->qs[0]));
@@ -365,7 +367,7 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
 #ifdef KR_VNNI512
     for (int i = 0; i < MB; i++) {
         lo_acc[i] = _mm512_castps512_ps256(acc512[i]);
-        hi_acc[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc512[i]), 1));
+        hi_acc[i] = high_half(acc512[i]);
     }
 #endif
     for (int i = 0; i < MB; i++) out[i] = hsum8(_mm256_add_ps(lo_acc[i], hi_acc[i])) + hsum8(min_acc[i]);
@@ -414,7 +416,7 @@ static inline __attribute__((always_inline)) void row_dot_x8_split8(const block_
     }
     for (int i = 0; i < MB; i++) {
         acc[0][i] = _mm512_castps512_ps256(acc512[i]);
-        acc[1][i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc512[i]), 1));
+        acc[1][i] = high_half(acc512[i]);
     }
 #else
     for (int64_t g = 0; g < nb; g += 8) {
