@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from services.bench.engine import run_llama_cpp  # noqa: E402
 from services.codec.text.tokenizer import Tokenizer  # noqa: E402
 from services.common.manifest import GGUF_WEIGHTS_NAME  # noqa: E402
 from services.common.sampling import SamplingParams  # noqa: E402
@@ -37,14 +37,9 @@ def llama_cli_text(
         "-t", str(threads), "-c", "4096", "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup",
         "-s", "0", "-sp", *extra,
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    if done.returncode < 0:  # killed by a signal: its AMX weight repacking crashed on a Sapphire Rapids VM
-        command.append("--no-repack")
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"{llama_cli.name} failed ({done.returncode}): {done.stderr[-2000:]}")
+    stdout, _ = run_llama_cpp(command, ["--no-repack"], timeout_s=600)
     # It ends the text with the end-of-generation token and a marker; ours stops before both.
-    return done.stdout.rstrip("\n").removesuffix(" [end of text]").removesuffix("<|im_end|>")
+    return stdout.rstrip("\n").removesuffix(" [end of text]").removesuffix("<|im_end|>")
 
 
 def main() -> int:

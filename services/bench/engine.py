@@ -176,13 +176,31 @@ def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
     return num_bytes / median(times[1:]) / 1e9
 
 
+def run_llama_cpp(command: list[str], without_repack: list[str], timeout_s: float) -> tuple[str, list[str]]:
+    """A llama.cpp tool's stdout, and the command that gave it. Where its default weight repacking kills it
+    with a signal (its AMX path died with SIGSEGV on a Sapphire Rapids VM), it runs again with
+    `without_repack` added, as a llama.cpp user there would. Any other failure raises with its stderr."""
+    import subprocess
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
+
+    done = run(command)
+    if done.returncode < 0:  # killed by a signal
+        command = [*command, *without_repack]
+        done = run(command)
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout, command
+
+
 def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str, Any]:
     """llama.cpp's llama-bench on the GGUF our model directory keeps (else the one it was made from):
     pp<prefill_tokens> and tg<new_tokens>, `args.threads` threads, 3 repetitions, its mean rates. Where its
     default weight repacking crashes it (its AMX path died with SIGSEGV on a Sapphire Rapids VM), it runs
-    again with `--repack 0`, as a llama.cpp user there would, and the result says so."""
-    import subprocess
-
+    again with `--repack 0` (run_llama_cpp), and the result's command says so."""
     from services.common.manifest import GGUF_WEIGHTS_NAME
     from services.engine.prepare import default_gguf_path
 
@@ -192,13 +210,8 @@ def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str
         str(llama_bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prefill_tokens),
         "-n", str(args.new_tokens), "-r", "3", "-o", "json",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if done.returncode < 0:  # killed by a signal
-        command += ["--repack", "0"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr[-2000:]}")
-    runs = json.loads(done.stdout)
+    stdout, command = run_llama_cpp(command, ["--repack", "0"], timeout_s=1800)
+    runs = json.loads(stdout)
     prefill = next(r for r in runs if r["n_prompt"] > 0 and r["n_gen"] == 0)
     decode = next(r for r in runs if r["n_gen"] > 0 and r["n_prompt"] == 0)
     return {
