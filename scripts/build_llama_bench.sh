@@ -2,7 +2,7 @@
 # Builds llama.cpp's llama-bench and llama-completion (the plain-text completion tool: in this llama.cpp,
 # llama-cli is the chat front end of the server) from the llama-cpp-python source distribution on PyPI (the
 # only place this machine can get llama.cpp from), for `kvrelay bench engine --peer llama.cpp PATH` and
-# scripts/compare_llama_cpp.py (docs/performance.md). Never run in CI: it downloads ~77 MB and
+# `kvrelay bench agreement LLAMA_COMPLETION` (docs/performance.md). Never run in CI: it downloads ~77 MB and
 # compiles for about 5 minutes on 2 cores.
 #
 #   scripts/build_llama_bench.sh [OUT_DIR]        # default: build/llama.cpp; prints the two binaries

@@ -38,6 +38,20 @@ sys.exit(code)
 """
 
 
+BENCHMARKS = [
+    "engine",
+    "agreement",
+    "stack",
+    "serve",
+    "compare",
+    "peers",
+    "routing",
+    "transfer",
+    "admission",
+    "grammar",
+]
+
+
 def run_blocked(blocked: list[str], *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", BLOCKED_RUN, ",".join(blocked), *argv],
@@ -83,13 +97,11 @@ def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) ->
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: kvrelay bench")
-    for name in ("engine", "stack", "serve", "compare", "peers", "routing", "transfer", "admission"):
+    for name in BENCHMARKS:
         assert name in out
 
 
-@pytest.mark.parametrize(
-    "name", ["engine", "stack", "serve", "compare", "peers", "routing", "transfer", "admission"]
-)
+@pytest.mark.parametrize("name", BENCHMARKS)
 def test_each_benchmark_has_its_own_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", name, "--help"])
