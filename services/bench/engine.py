@@ -105,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     for side in result["sides"]:
         if "bound_tok_s" in result[side]:
             print(bound_line(side, result[side], batches[0], result["bandwidth_gb_s"]))
+    if "llama.cpp" in result:
+        for side in result["sides"]:
+            if side.startswith("kvrelay"):
+                print(peer_line(side, result[side], result["llama.cpp"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
@@ -155,6 +159,15 @@ def bound_line(name: str, side: dict[str, Any], batch: int, bandwidth_gb_s: floa
         f"{name}: decode @{batch} {rate:.1f} tok/s = {rate / bound:.0%} of the bound {bound:.0f} tok/s "
         f"({bandwidth_gb_s:.1f} GB/s read, {side['step_weight_bytes'] / 1e6:.0f} MB of weights a step)"
     )
+
+
+def peer_line(name: str, side: dict[str, Any], peer: dict[str, Any]) -> str:
+    """One of our sides against llama-bench on the same GGUF: its prefill and batch-1 decode rates over the
+    peer's (the table's ratio column compares only the first side with the last)."""
+    prefill = side["prefill_tok_s"] / peer["prefill_tok_s"]
+    decode = side["decode"]["1"]["tok_s"] / peer["decode"]["1"]["tok_s"] if "1" in side["decode"] else None
+    shown = "n/a (no batch 1 measured)" if decode is None else f"{decode:.2f}x"
+    return f"{name} / llama.cpp: prefill {prefill:.2f}x, decode @1 {shown}"
 
 
 def _decode(side: dict[str, Any], batch: int, key: str) -> float | None:

@@ -65,8 +65,8 @@ def choose_weights(
     Measured on a Sapphire Rapids VM held to AVX2 (docs/performance.md, "GGUF blocks"): prefill 663
     against 617 tok/s, batch 1 144 against 71, batch 32 341 against 291; and its greedy continuations
     match the fp32 model's at least as often as the bf16 weights'. Where bf16 runs in hardware (AMX),
-    oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x at prefill, so auto keeps the
-    safetensors there, as on a GPU."""
+    oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x at prefill (1.5x and 2.1x through
+    AVX512-BF16 on a Zen 4 EPYC), so auto keeps the safetensors there, as on a GPU."""
     if weights in WEIGHT_CHOICES:
         return weights
     if weights != "auto":

@@ -317,6 +317,10 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
      * lane computed and summed exactly as the AVX2 code's lo_acc and hi_acc lanes: the same bits. */
     const __m512i nibble512 = _mm512_set1_epi8(15);
     const __m512i half_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    /* pair p's weight scales in both halves, [a x 4, b x 4, a x 4, b x 4], in one permute of the group's 8 */
+    __m512i pair_pick[4];
+    for (int p = 0; p < 4; p++)
+        pair_pick[p] = _mm512_add_epi32(_mm512_broadcast_i64x4(pair_lanes), _mm512_set1_epi32(2 * p));
     __m512 acc512[TILE_M];
     for (int i = 0; i < MB; i++) acc512[i] = _mm512_setzero_ps();
 #endif
@@ -334,13 +338,11 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
         for (int p = 0; p < r / 2; p++) {
             const uint8_t *src = qs + 16 * (g + 2 * p);
             _mm_prefetch((const char *)src + PREFETCH_AHEAD, _MM_HINT_T0);
-            const __m256i pick = _mm256_add_epi32(pair_lanes, _mm256_set1_epi32(2 * p));
-            const __m256 dw = _mm256_permutevar8x32_ps(dw8, pick); /* [d of block a x 4, d of b x 4] */
 #ifdef KR_VNNI512
             const __m512i twice = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)src));
             const __m512i both = /* [low nibbles of both blocks, high nibbles] */
                 _mm512_and_si512(_mm512_srlv_epi16(twice, half_shift), nibble512);
-            const __m512 dw2 = join_halves(dw, dw);
+            const __m512 dw2 = _mm512_permutexvar_ps(pair_pick[p], _mm512_castps256_ps512(dw8));
             for (int i = 0; i < MB; i++) {
                 const pair_x8 *xp = xq + i * ldq + (g / 2 + p);
                 const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), both,
@@ -349,6 +351,8 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
                 acc512[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc512[i]);
             }
 #else
+            const __m256i pick = _mm256_add_epi32(pair_lanes, _mm256_set1_epi32(2 * p));
+            const __m256 dw = _mm256_permutevar8x32_ps(dw8, pick); /* [d of block a x 4, d of b x 4] */
             const __m256i v = _mm256_loadu_si256((const __m256i *)src);
             const __m256i lo = _mm256_and_si256(v, nibble);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);

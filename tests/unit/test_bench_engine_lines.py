@@ -1,0 +1,40 @@
+"""`kvrelay bench engine`'s printed comparisons, from a result dict: each of our sides against llama.cpp
+(the table's ratio column compares only the first side with the last) and against the bandwidth bound."""
+
+from __future__ import annotations
+
+from services.bench.engine import bound_line, peer_line, table
+
+RESULT = {
+    "sides": ["kvrelay-safetensors", "kvrelay-gguf-int8", "llama.cpp"],
+    "kvrelay-safetensors": {"prefill_tok_s": 849.0, "decode": {"1": {"tok_s": 34.5, "ttft_ms": 56.0}}},
+    "kvrelay-gguf-int8": {
+        "prefill_tok_s": 408.0,
+        "decode": {"1": {"tok_s": 157.7, "ttft_ms": 76.0}},
+        "bound_tok_s": 331.0,
+        "step_weight_bytes": 96_000_000,
+    },
+    "llama.cpp": {"prefill_tok_s": 285.0, "decode": {"1": {"tok_s": 123.1}}},
+}
+
+
+def test_each_side_is_compared_with_llama_cpp_not_only_the_first() -> None:
+    assert peer_line("kvrelay-gguf-int8", RESULT["kvrelay-gguf-int8"], RESULT["llama.cpp"]) == (
+        "kvrelay-gguf-int8 / llama.cpp: prefill 1.43x, decode @1 1.28x"
+    )
+    assert peer_line("kvrelay-safetensors", RESULT["kvrelay-safetensors"], RESULT["llama.cpp"]) == (
+        "kvrelay-safetensors / llama.cpp: prefill 2.98x, decode @1 0.28x"
+    )
+    _, rows = table(RESULT, [1])
+    assert rows[1][-1] == "0.28x"  # the column: first side over last
+
+
+def test_a_side_without_batch_1_says_so() -> None:
+    side = {"prefill_tok_s": 400.0, "decode": {"32": {"tok_s": 340.0}}}
+    assert peer_line("kvrelay", side, RESULT["llama.cpp"]).endswith("decode @1 n/a (no batch 1 measured)")
+
+
+def test_the_bound_line_gives_the_share_of_the_bandwidth_bound() -> None:
+    line = bound_line("kvrelay-gguf-int8", RESULT["kvrelay-gguf-int8"], 1, 31.8)
+    assert line.startswith("kvrelay-gguf-int8: decode @1 157.7 tok/s = 48% of the bound 331 tok/s")
+    assert line.endswith("(31.8 GB/s read, 96 MB of weights a step)")
