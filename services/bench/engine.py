@@ -165,8 +165,8 @@ def peer_line(name: str, side: dict[str, Any], peer: dict[str, Any]) -> str:
     """One of our sides against llama-bench on the same GGUF: its prefill and batch-1 decode rates over the
     peer's (the table's ratio column compares only the first side with the last)."""
     prefill = side["prefill_tok_s"] / peer["prefill_tok_s"]
-    decode = side["decode"]["1"]["tok_s"] / peer["decode"]["1"]["tok_s"] if "1" in side["decode"] else None
-    shown = "n/a (no batch 1 measured)" if decode is None else f"{decode:.2f}x"
+    ours, theirs = _decode(side, 1, "tok_s"), _decode(peer, 1, "tok_s")
+    shown = "n/a (no batch 1 measured)" if ours is None or not theirs else f"{ours / theirs:.2f}x"
     return f"{name} / llama.cpp: prefill {prefill:.2f}x, decode @1 {shown}"
 
 
