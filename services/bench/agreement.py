@@ -1,6 +1,6 @@
 """`kvrelay bench agreement`: greedy continuations of our engine against llama.cpp's on the same GGUF file.
 
-    kvrelay bench agreement LLAMA_COMPLETION [--weights gguf|gguf-int8] [--tokens 32] [--llama-arg=-ctk=f32]
+    kvrelay bench agreement LLAMA_COMPLETION [--weights gguf|gguf-int8] [--tokens 32] [--llama-arg=-ctk ...]
 
 For each prompt of the fixture (`--cases`, by default tests/fixtures/smollm2_greedy_fp32.json): our
 engine's greedy first `--tokens` tokens (model.weights as given; both sides stop early at EOS), and
@@ -36,7 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None, help="write the rows and the share here")
     p.add_argument(
-        "--llama-arg", action="append", default=[], help="passed on to llama.cpp (repeat), e.g. -ctk=f32"
+        "--llama-arg",
+        action="append",
+        default=[],
+        help="one argument passed on to llama.cpp (repeat): --llama-arg=-ctk --llama-arg=f32",
     )
     p.set_defaults(handler=run)
 

@@ -9,8 +9,10 @@ each of our sides: bandwidth / the bytes of weights one decode step reads.
 
 Decode rates leave prefill out on both sides: for transformers, a no-op logits processor stamps every
 step and the rate is B·(steps−1)/(t_last − t_first); for our engine, the same count over the steps after
-every sequence has its first token. Prefill is one 512-token prompt (fresh random tokens each run, so
-no prefix-cache hit), median of 3 after a warm-up. TTFT is the median time to the first token.
+every sequence has its first token. `--depth N` puts N random tokens of context ahead of each decode
+prompt (the peer's tg then runs at llama-bench's -d N), where attention's share of a step shows.
+Prefill is one 512-token prompt (fresh random tokens each run, so no prefix-cache hit), median of 3
+after a warm-up. TTFT is the median time to the first token.
 
 The two sides (`measure_kvrelay`, `measure_baseline`) and the engine helpers (`build_engine`,
 `run_batch`, `chat_prompts`) also serve `kvrelay bench stack`. torch and transformers (the `worker`
@@ -50,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        help="tokens of context before decode: random tokens ahead of each chat prompt (llama-bench -d)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (not a comparison)")
     p.add_argument(
@@ -72,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.concurrency.split(",")]
-    prompts = chat_prompts(Path(args.model), max(batches))
     rng = random.Random(0)
+    prompts = at_depth(chat_prompts(Path(args.model), max(batches)), args.depth, rng)
     prefill_prompts = [[rng.randrange(100, 30000) for _ in range(args.prefill_tokens)] for _ in range(4)]
     result: dict[str, Any] = {
         "model": str(args.model),
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "new_tokens": args.new_tokens,
         "prefill_tokens": args.prefill_tokens,
+        "depth": args.depth,
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -209,9 +218,15 @@ def run_llama_cpp(command: list[str], without_repack: list[str], timeout_s: floa
     return done.stdout, command
 
 
+def at_depth(prompts: list[list[int]], depth: int, rng: random.Random) -> list[list[int]]:
+    """Each prompt behind `depth` random tokens of its own (IDs in [100, 30000), as the prefill prompts)."""
+    return [[rng.randrange(100, 30000) for _ in range(depth)] + prompt for prompt in prompts]
+
+
 def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str, Any]:
     """llama.cpp's llama-bench on the GGUF our model directory keeps (else the one it was made from):
-    pp<prefill_tokens> and tg<new_tokens>, `args.threads` threads, 3 repetitions, its mean rates. Where its
+    pp<prefill_tokens> and tg<new_tokens> (the latter after `args.depth` tokens of context, its -d; the
+    former from an empty cache, as ours), `args.threads` threads, 3 repetitions, its mean rates. Where its
     default weight repacking crashes it (its AMX path died with SIGSEGV on a Sapphire Rapids VM), it runs
     again with `--repack 0` (run_llama_cpp), and the result's command says so."""
     from services.common.manifest import GGUF_WEIGHTS_NAME
@@ -221,12 +236,14 @@ def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str
     gguf = gguf if gguf.is_file() else default_gguf_path()
     command = [
         str(llama_bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prefill_tokens),
-        "-n", str(args.new_tokens), "-r", "3", "-o", "json",
+        "-n", str(args.new_tokens), "-d", ",".join(sorted({"0", str(args.depth)})), "-r", "3", "-o", "json",
     ]  # fmt: skip
     stdout, command = run_llama_cpp(command, ["--repack", "0"], timeout_s=1800)
     runs = json.loads(stdout)
-    prefill = next(r for r in runs if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    decode = next(r for r in runs if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    prefill = next(r for r in runs if r["n_prompt"] > 0 and r["n_gen"] == 0 and r.get("n_depth", 0) == 0)
+    decode = next(
+        r for r in runs if r["n_gen"] > 0 and r["n_prompt"] == 0 and r.get("n_depth", 0) == args.depth
+    )
     return {
         "prefill_tok_s": float(prefill["avg_ts"]),
         "decode": {"1": {"tok_s": float(decode["avg_ts"])}},

@@ -228,7 +228,6 @@ def kernel_decode_attention(
     num_decode = meta.num_decode_tokens
     if kernels is None or not num_decode:
         return None
-    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len + 8)  # [threads, > max pos]
     token_rows = meta.token_rows[:num_decode]  # [num_decode]
     positions = meta.positions[:num_decode]  # [num_decode]
 
@@ -238,9 +237,16 @@ def kernel_decode_attention(
         q2 = q.reshape(num_decode, -1).float()  # [num_decode, num_heads * head_dim]
         out = torch.empty_like(q2)  # [num_decode, num_heads * head_dim]
         kernels.paged_attention(
-            q2, out, cache, meta.block_tables, token_rows, positions, meta.block_size,
-            meta.max_context_len, scratch, window=window, scale=scale,
-        )  # fmt: skip
+            q2,
+            out,
+            cache,
+            meta.block_tables,
+            token_rows,
+            positions,
+            meta.block_size,
+            window=window,
+            scale=scale,
+        )
         return out.view(q.shape).to(q.dtype)  # [num_decode, num_heads, head_dim]
 
     return attend

@@ -67,6 +67,8 @@ def test_bench_engine_writes_both_sides_and_a_png(chat_model: Path, tmp_path: Pa
             "4",
             "--prefill-tokens",
             "16",
+            "--depth",
+            "8",
             "--threads",
             "1",
             "--json",
@@ -78,7 +80,7 @@ def test_bench_engine_writes_both_sides_and_a_png(chat_model: Path, tmp_path: Pa
     result = json.loads(out.read_text())
     assert result["model"] == str(chat_model) and result["dtype"] == "float32"
     assert result["precision"] == "float32" and result["threads"] == 1
-    assert result["new_tokens"] == 4 and result["prefill_tokens"] == 16
+    assert result["new_tokens"] == 4 and result["prefill_tokens"] == 16 and result["depth"] == 8
     assert result["baseline"] == "transformers generate, bfloat16, sdpa"
     for side in ("kvrelay", "transformers"):
         assert result[side]["prefill_tok_s"] > 0

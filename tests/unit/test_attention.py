@@ -35,7 +35,7 @@ def setup_step(
     """Rows in flat order, q [tokens, heads, hd], new k/v [tokens, kv_heads, hd], and a cache holding
     random old context plus the new k/v already written."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
+    num_blocks = max(64, sum(-(-(start + num_new) // BLOCK_SIZE) + 1 for start, num_new in specs))
     decode, prefill = make_rows(specs, num_blocks, g)
     rows = decode + prefill
     num_tokens = sum(r.num_new_tokens for r in rows)
@@ -55,6 +55,8 @@ CASES = {
     "mixed-decode-prefill-prefix": [(11, 1), (3, 1), (0, 9), (8, 6), (13, 1), (4, 2)],
     "lone-fresh-prompt": [(0, 19)],
     "lone-prefix-chunk": [(12, 9)],
+    # Contexts over the C kernel's 64-key chunks: one chunk exactly, chunk edges, a prefill across chunks.
+    "long-contexts": [(150, 1), (63, 1), (64, 1), (200, 1), (120, 20)],
 }
 
 
@@ -87,33 +89,30 @@ def test_kernel_matches_reference(kernels: CpuKernels, case: str, num_heads: int
     meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
     flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
     out = torch.empty_like(flat_q)  # [tokens, heads * hd]
-    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
     kernels.paged_attention(
         flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
-        meta.max_context_len, scratch,
     )  # fmt: skip
     want = reference_attention(q, cache, rows, BLOCK_SIZE)
     torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)
 
 
-def test_kernel_gives_a_token_the_same_bits_alone_and_in_a_batch(kernels: CpuKernels) -> None:
-    rows, q, _, _, cache = setup_step(CASES["mixed-decode-prefill-prefix"], 6, 2)
+@pytest.mark.parametrize("case", ["mixed-decode-prefill-prefix", "long-contexts"])
+def test_kernel_gives_a_token_the_same_bits_alone_and_in_a_batch(kernels: CpuKernels, case: str) -> None:
+    rows, q, _, _, cache = setup_step(CASES[case], 6, 2)
     decode = [r for r in rows if r.num_new_tokens == 1]
     flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
 
     def run(step_decode: list[RowSpec], step_prefill: list[RowSpec], step_q: torch.Tensor) -> torch.Tensor:
         meta = build_metadata(step_decode, step_prefill, BLOCK_SIZE)
         out = torch.empty_like(step_q)  # [tokens, heads * hd]
-        scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
         kernels.paged_attention(
             step_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
-            meta.max_context_len, scratch,
         )  # fmt: skip
         return out
 
     batched = run(decode, rows[len(decode) :], flat_q)
-    alone = run([decode[1]], [], flat_q[1:2])
-    assert torch.equal(batched[1:2], alone)
+    for i, row in enumerate(decode):  # "long-contexts": one, two and four chunks of keys
+        assert torch.equal(batched[i : i + 1], run([row], [], flat_q[i : i + 1]))
 
 
 def test_metadata_maps_each_token_to_its_block_slot() -> None:
@@ -146,6 +145,7 @@ WINDOW_CASES = {
     "mixed-decode-prefill-prefix": CASES["mixed-decode-prefill-prefix"],
     "lone-fresh-prompt": CASES["lone-fresh-prompt"],
     "lone-prefix-chunk": CASES["lone-prefix-chunk"],
+    "long-contexts": CASES["long-contexts"],
 }
 
 
@@ -161,17 +161,16 @@ def test_torch_path_with_window_and_scale_matches_reference(case: str, window: i
 
 
 @pytest.mark.parametrize("case", sorted(WINDOW_CASES))
-@pytest.mark.parametrize("window", [1, 3, 6, 9, 64])
+@pytest.mark.parametrize("window", [1, 3, 6, 9, 64, 100])
 def test_kernel_with_window_and_scale_matches_reference(kernels: CpuKernels, case: str, window: int) -> None:
     rows, q, _, _, cache = setup_step(WINDOW_CASES[case], 6, 2)
     decode = [r for r in rows if r.num_new_tokens == 1]
     meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
     flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
     out = torch.empty_like(flat_q)  # [tokens, heads * hd]
-    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
     kernels.paged_attention(
         flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
-        meta.max_context_len, scratch, window=window, scale=0.3,
+        window=window, scale=0.3,
     )  # fmt: skip
     want = reference_attention(q, cache, rows, BLOCK_SIZE, window=window, scale=0.3)
     torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)
@@ -188,10 +187,9 @@ def test_a_window_wider_than_the_context_changes_no_bit(kernels: CpuKernels) -> 
     outs = []
     for window in (None, 1000):
         out = torch.empty_like(flat_q)  # [tokens, heads * hd]
-        scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
         kernels.paged_attention(
             flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
-            meta.max_context_len, scratch, window=window,
+            window=window,
         )  # fmt: skip
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -215,9 +213,8 @@ def test_freed_blocks_before_the_window_are_never_read(kernels: CpuKernels) -> N
     torch.testing.assert_close(paged_attention(q, k, v, cache, meta, window=window), want, atol=TOL, rtol=TOL)
     flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
     out = torch.empty_like(flat_q)  # [tokens, heads * hd]
-    scratch = torch.empty(torch.get_num_threads(), meta.max_context_len)  # [threads, max_ctx]
     kernels.paged_attention(
         flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE,
-        meta.max_context_len, scratch, window=window,
+        window=window,
     )  # fmt: skip
     torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)

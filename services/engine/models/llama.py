@@ -401,7 +401,6 @@ class LlamaModel:
             meta.slot_mapping,
             meta.block_tables,
             meta.token_rows,
-            meta.max_context_len,
         )
         return h
 

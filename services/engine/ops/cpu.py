@@ -54,14 +54,14 @@ _DIMS = ctypes.POINTER(LlamaDims)
 _LAYERS = ctypes.POINTER(LlamaLayerPointers)
 
 _SIGNATURES: dict[str, list[type]] = {
-    "kr_llama_work_floats": [_DIMS, _I, _I, _C],
-    "kr_llama_layers": [_DIMS, _LAYERS, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _C],
+    "kr_llama_work_floats": [_DIMS, _I],
+    "kr_llama_layers": [_DIMS, _LAYERS, _I, _P, _I, _P, _P, _P, _I, _P, _P, _C],
     "kr_rms_norm": [_P, _I, _P, _P, _I, _I, _I, _F],
     "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _P, _C],
     "kr_dequantize": [_P, _C, _P, _I, _I, _C],
     "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
     "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P],
-    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _P, _I, _C],
+    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _C],
 }
 
 
@@ -100,6 +100,8 @@ class CpuKernels:
             fn.argtypes = argtypes
             fn.restype = None
         library.kr_llama_work_floats.restype = ctypes.c_int64
+        library.kr_llama_layers.restype = ctypes.c_int
+        library.kr_paged_attention.restype = ctypes.c_int
 
     def llama_layers(
         self,
@@ -110,26 +112,24 @@ class CpuKernels:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         token_rows: torch.Tensor,
-        max_context_len: int,
     ) -> None:
         """Run every decoder layer on the residual stream h [M, hidden] in place (kr_llama_layers).
 
-        positions, slot_mapping, token_rows: [M]; block_tables [num_rows, max_blocks]; every position is
-        below max_context_len. The layers' weights and caches are the ones `layers` points at.
+        positions, slot_mapping, token_rows: [M]; block_tables [num_rows, max_blocks]. The layers' weights
+        and caches are the ones `layers` points at.
         """
         _flat(h, torch.float32)
         for t in (positions, slot_mapping, block_tables, token_rows):
             _flat(t, torch.int64)
-        num_tokens, num_threads = h.shape[0], torch.get_num_threads()
-        ld_scores = max_context_len + 8
-        work = torch.empty(
-            self._lib.kr_llama_work_floats(dims, num_tokens, ld_scores, num_threads)
-        )  # [floats]
-        self._lib.kr_llama_layers(
+        num_tokens = h.shape[0]
+        work = torch.empty(self._lib.kr_llama_work_floats(dims, num_tokens))  # [floats]
+        failed = self._lib.kr_llama_layers(
             dims, layers, len(layers), h.data_ptr(), num_tokens, positions.data_ptr(),
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(),
-            work.data_ptr(), ld_scores, num_threads,
+            work.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        if failed:
+            raise MemoryError("kr_llama_layers could not allocate attention's buffers")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
         """out [M, K] = RMSNorm(x [M, K]) * weight [K]."""
@@ -220,8 +220,6 @@ class CpuKernels:
         token_rows: torch.Tensor,
         positions: torch.Tensor,
         block_size: int,
-        max_context_len: int,
-        scratch: torch.Tensor,
         *,
         window: int | None = None,
         scale: float | None = None,
@@ -230,21 +228,20 @@ class CpuKernels:
         with a `window`, over its last `window` keys only. `scale` defaults to head_dim ** -0.5.
 
         q, out: [M, num_heads * head_dim]; cache [num_slots, 2, kv_heads, head_dim]; block_tables
-        [num_rows, max_blocks]; token_rows, positions: [M]; scratch [num_threads, > max position].
+        [num_rows, max_blocks]; token_rows, positions: [M].
         """
         _, _, num_kv_heads, head_dim = cache.shape
         num_heads = q.shape[1] // head_dim
-        num_threads = torch.get_num_threads()
-        if scratch.shape[0] < num_threads or scratch.shape[1] < max_context_len:
-            raise ValueError(f"scratch {tuple(scratch.shape)} is too small for {num_threads} threads")
         if out.shape != q.shape or head_dim % 8:
-            raise ValueError("attention buffers do not match the query or the thread count")
+            raise ValueError("the attention output does not match the query, or head_dim % 8 != 0")
         _flat(cache, torch.float32)
         for t in (block_tables, token_rows, positions):
             _flat(t, torch.int64)
-        self._lib.kr_paged_attention(
+        failed = self._lib.kr_paged_attention(
             q.data_ptr(), _rows(q), out.data_ptr(), _rows(out), q.shape[0], num_heads, num_kv_heads,
             head_dim, cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(),
             positions.data_ptr(), window or 0, block_size, head_dim**-0.5 if scale is None else scale,
-            scratch.data_ptr(), _rows(scratch), num_threads,
+            torch.get_num_threads(),
         )  # fmt: skip
+        if failed:
+            raise MemoryError("kr_paged_attention could not allocate its buffers")
