@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument(
         "--depth",
-        type=int,
+        type=_non_negative,
         default=0,
         help="tokens of context before decode: random tokens ahead of each chat prompt (llama-bench -d)",
     )
@@ -71,6 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
     p.set_defaults(handler=run)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +125,13 @@ def run(args: argparse.Namespace) -> int:
         for side in result["sides"]:
             if side.startswith("kvrelay"):
                 print(peer_line(side, result[side], result["llama.cpp"]))
+    for side in result["sides"]:
+        for batch, rates in result[side].get("decode", {}).items():
+            if rates.get("preemptions"):
+                print(
+                    f"{side} @{batch}: {rates['preemptions']} preemptions (KV cache full; raise "
+                    "engine.kv_cache_memory_mb): its rates include recomputed prefills"
+                )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
@@ -313,9 +327,11 @@ def run_batch(
     engine: Any, prompts: list[list[int]], new_tokens: int, tag: str, params: SamplingParams | None = None
 ) -> dict[str, float]:
     """All `prompts` at once, greedy (unless `params` says otherwise), `new_tokens` each: decode tok/s
-    after every first token, TTFT."""
+    after every first token, TTFT; and how often the scheduler preempted a sequence for want of KV blocks
+    (each then recomputes its prefill, in the rates: a long `--depth` at a large batch can do that)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.pool.reset_cache()
+    preempted_before = engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -337,6 +353,7 @@ def run_batch(
         "ttft_ms": 1000 * median([t - t0 for t in first.values()]),
         "e2e_tok_s": len(prompts) * new_tokens / (stamps[-1][0] - t0),
         "num_tokens": num_tokens,
+        "preemptions": engine.scheduler.num_preemptions - preempted_before,
     }
 
 

@@ -87,6 +87,7 @@ def test_bench_engine_writes_both_sides_and_a_png(chat_model: Path, tmp_path: Pa
         assert set(result[side]["decode"]) == {"1", "2"}
         for batch in (1, 2):
             assert_rates(result[side]["decode"][str(batch)], batch, 4)
+    assert all(rates["preemptions"] == 0 for rates in result["kvrelay"]["decode"].values())
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
 

@@ -17,34 +17,39 @@ TOL = 1e-5
 
 
 def make_rows(
-    specs: list[tuple[int, int]], num_blocks: int, generator: torch.Generator
+    specs: list[tuple[int, int]], num_blocks: int, generator: torch.Generator, block_size: int = BLOCK_SIZE
 ) -> tuple[list[RowSpec], list[RowSpec]]:
     """(start_position, num_new_tokens) per row -> decode rows, prefill rows over shuffled block ids."""
     free = torch.randperm(num_blocks, generator=generator).tolist()
     decode, prefill = [], []
     for start, num_new in specs:
-        num_row_blocks = -(-(start + num_new) // BLOCK_SIZE) + 1  # one spare block, as a running row has
+        num_row_blocks = -(-(start + num_new) // block_size) + 1  # one spare block, as a running row has
         block_ids = [free.pop() for _ in range(num_row_blocks)]
         (decode if num_new == 1 else prefill).append(RowSpec(block_ids, start, num_new))
     return decode, prefill
 
 
 def setup_step(
-    specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int = 16, seed: int = 0
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 16,
+    seed: int = 0,
+    block_size: int = BLOCK_SIZE,
 ) -> tuple[list[RowSpec], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows in flat order, q [tokens, heads, hd], new k/v [tokens, kv_heads, hd], and a cache holding
     random old context plus the new k/v already written."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = max(64, sum(-(-(start + num_new) // BLOCK_SIZE) + 1 for start, num_new in specs))
-    decode, prefill = make_rows(specs, num_blocks, g)
+    num_blocks = max(64, sum(-(-(start + num_new) // block_size) + 1 for start, num_new in specs))
+    decode, prefill = make_rows(specs, num_blocks, g, block_size)
     rows = decode + prefill
     num_tokens = sum(r.num_new_tokens for r in rows)
-    shape = (num_blocks * BLOCK_SIZE, 2, num_kv_heads, head_dim)
+    shape = (num_blocks * block_size, 2, num_kv_heads, head_dim)
     cache = torch.randn(*shape, generator=g)  # [slots, 2, kv_heads, head_dim]
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g)  # [tokens, heads, hd]
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # [tokens, kvh, hd]
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # [tokens, kvh, hd]
-    meta = build_metadata(decode, prefill, BLOCK_SIZE)
+    meta = build_metadata(decode, prefill, block_size)
     write_kv(cache, meta.slot_mapping, k, v)
     return rows, q, k, v, cache
 
@@ -111,8 +116,38 @@ def test_kernel_gives_a_token_the_same_bits_alone_and_in_a_batch(kernels: CpuKer
         return out
 
     batched = run(decode, rows[len(decode) :], flat_q)
-    for i, row in enumerate(decode):  # "long-contexts": one, two and four chunks of keys
+    for i, row in enumerate(decode):  # "long-contexts": one to four chunks of keys
         assert torch.equal(batched[i : i + 1], run([row], [], flat_q[i : i + 1]))
+
+
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "window"), [(128, 96, None), (128, 96, 100), (16, 128, 70)]
+)
+def test_kernel_over_wide_blocks_and_heads_matches_reference_with_any_thread_count(
+    kernels: CpuKernels, block_size: int, head_dim: int, window: int | None
+) -> None:
+    """Blocks wider than the kernel's 64-key chunks (chunk edges mid-block), head_dim past one 64-wide pass
+    over the values, GQA 8/2; the bits do not depend on the number of threads."""
+    rows, q, _, _, cache = setup_step(CASES["long-contexts"], 8, 2, head_dim, block_size=block_size)
+    decode = [r for r in rows if r.num_new_tokens == 1]
+    meta = build_metadata(decode, rows[len(decode) :], block_size)
+    flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]
+    outs = []
+    threads = torch.get_num_threads()
+    for num_threads in (1, 3):
+        torch.set_num_threads(num_threads)
+        try:
+            out = torch.empty_like(flat_q)  # [tokens, heads * hd]
+            kernels.paged_attention(
+                flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, block_size,
+                window=window,
+            )  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        outs.append(out)
+    want = reference_attention(q, cache, rows, block_size, window=window)
+    torch.testing.assert_close(outs[0].view_as(q), want, atol=TOL, rtol=TOL)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_metadata_maps_each_token_to_its_block_slot() -> None:

@@ -114,3 +114,10 @@ def test_a_bad_bench_flag_is_refused_by_the_bench_parser(capsys: pytest.CaptureF
         main(["bench", "engine", "--no-such-flag"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_a_negative_depth_is_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "engine", "--depth", "-5"])
+    assert exit_info.value.code == 2
+    assert "--depth: must be 0 or more, got -5" in capsys.readouterr().err
