@@ -346,7 +346,7 @@ static void merge_chunks(const float *parts, int64_t ld, int64_t count, int head
     for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(out + d, _mm256_setzero_ps());
     for (int64_t c = 0; c < count; c++) {
         const float *p = parts + c * ld;
-        const float w = count == 1 ? 1.0f : expf(p[0] - m);
+        const float w = expf(p[0] - m); /* exactly 1 for the largest, so a lone chunk stays as it is */
         sum += w * p[1];
         const __m256 wv = _mm256_set1_ps(w);
         for (int d = 0; d < head_dim; d += 8)
@@ -354,6 +354,11 @@ static void merge_chunks(const float *parts, int64_t ld, int64_t count, int head
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(out + d), inv));
+}
+
+/* The first key a token at context length ctx attends to: 0, or under a sliding window its last `window`. */
+static inline int64_t first_key(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
 }
 
 /* out[t, h * head_dim:] = causal attention of token t's head h over its own sequence, for every token.
@@ -374,7 +379,7 @@ int kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int
     if (!first) return -1;
     first[0] = 0;
     for (int64_t t = 0; t < M; t++) {
-        const int64_t ctx = positions[t] + 1, start = window > 0 && ctx > window ? ctx - window : 0;
+        const int64_t ctx = positions[t] + 1, start = first_key(ctx, window);
         first[t + 1] = first[t] + (ctx - 1) / KEY_CHUNK - start / KEY_CHUNK + 1;
     }
     const int64_t num_chunks = first[M];
@@ -394,7 +399,7 @@ int kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int
         for (int64_t task = 0; task < num_chunks * num_kv_heads; task++) {
             const int64_t c = task / num_kv_heads, t = chunk_token[c];
             const int g = (int)(task % num_kv_heads);
-            const int64_t ctx = positions[t] + 1, start = window > 0 && ctx > window ? ctx - window : 0;
+            const int64_t ctx = positions[t] + 1, start = first_key(ctx, window);
             const int64_t chunk_start = (start / KEY_CHUNK + c - first[t]) * KEY_CHUNK;
             const int64_t k0 = chunk_start > start ? chunk_start : start;
             const int64_t k1 = chunk_start + KEY_CHUNK < ctx ? chunk_start + KEY_CHUNK : ctx;
