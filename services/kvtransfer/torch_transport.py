@@ -236,6 +236,7 @@ class _PairGroup:
         self._seqs = itertools.count()
         self._turn = threading.Condition()
         self._turn_seq = 0  # D, ordered backends: the transfer whose receives may be posted now
+        self._marker: threading.Thread | None = None  # D: writes the dead marker P reads, once closed
 
     @property
     def dead(self) -> bool:
@@ -315,11 +316,19 @@ class _PairGroup:
         log.warning("kv pair group closed", extra={"group": self.name, "reason": reason})
         if tell_peer and self.rank == RECEIVER_RANK:  # so that P's next transfer builds a new group
             marker = functools.partial(_mark_dead, self._rendezvous, self.name, reason)
-            threading.Thread(target=marker, name="kvrelay-kv-torch", daemon=True).start()
+            self._marker = threading.Thread(target=marker, name="kvrelay-kv-torch", daemon=True)
+            self._marker.start()
         pg, self._pg = self._pg, None
         if pg is not None:
             with contextlib.suppress(Exception):
                 pg.abort()
+
+    def told(self) -> None:
+        """D: block until the dead marker is written (or gave up), so that a transfer's fault reaches
+        its caller only after P can see it: P's next transfer then builds a new group, not the old one."""
+        marker = self._marker
+        if marker is not None:
+            marker.join(MARKER_TIMEOUT_S)
 
 
 def _post_and_wait(
@@ -527,6 +536,7 @@ class _Inbound:
 
     deadline: float
     announcement: _Announcement | None = None
+    group: _PairGroup | None = None
     flats: list[torch.Tensor] = field(default_factory=list)
     arrivals: list[asyncio.Future[int]] = field(default_factory=list)  # each chunk's CRC, once it landed
 
@@ -592,6 +602,11 @@ class TorchReceiver:
                 raise KVTransferFault(f"chunk {chunk.index} ({chunk.num_tokens} tokens) was not announced")
             if await inbound.arrivals[chunk.index] != chunk.crc32:
                 raise KVTransferFault(f"chunk {chunk.index}: checksum mismatch")
+        except KVTransferFault:
+            self._inbound.pop(tag, None)
+            if inbound.group is not None and inbound.group.dead:
+                await _in_thread(inbound.group.told)
+            raise
         except BaseException:
             self._inbound.pop(tag, None)
             raise
@@ -608,7 +623,7 @@ class TorchReceiver:
         """Read the announcement, and post the receives of every chunk it promises."""
         deadline = inbound.deadline
         announcement = await _in_thread(lambda: self._read_announcement(tag, deadline))
-        group = self._group_for(announcement)
+        group = inbound.group = self._group_for(announcement)
         step = tokens_per_chunk(layout)
         if not all(0 < n <= step for n in announcement.tokens):
             raise KVTransferFault(f"announced chunks of {announcement.tokens} tokens; at most {step} fit")

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import re
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from services.engine.kv_export import KVExport
+from services.kvtransfer import torch_transport
 from services.kvtransfer.chunks import DTYPES, KVAssembler, KVTransferFault, Layout, num_chunks
 from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender
@@ -297,13 +299,27 @@ async def test_short_message_raises(peer: Peer, receiver: TorchReceiver) -> None
             await peer.transfer(receiver, Spec(seed=30, mode="short"))
 
 
-async def test_missing_tensor_times_out_and_the_pair_recovers(peer: Peer) -> None:
+@pytest.mark.parametrize("marker_delay_s", [0.0, 1.0], ids=["marker-at-once", "marker-late"])
+async def test_missing_tensor_times_out_and_the_pair_recovers(
+    peer: Peer, marker_delay_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The receiver's own deadline (2 s here, not the 15 s of any other wait) ends the wait for the
-    tensor that never comes: gloo reports how long it was given, and that is what was left of 2 s."""
-    receiver = TorchReceiver(timeout_s=2.0, host="127.0.0.1")
+    tensor that never comes: gloo reports how long it was given, and that is what was left of 2 s.
+    The fault reaches D's caller only once the dead marker is written, however slow the marker is
+    ("marker-late" delays it): otherwise P's next transfer would go out on the closed group and fail."""
+    if marker_delay_s:
+        write = torch_transport._mark_dead
+
+        def late(rendezvous: str, name: str, reason: str) -> None:
+            threading.Event().wait(marker_delay_s)  # a slow store client, injected at the seam
+            write(rendezvous, name, reason)
+
+        monkeypatch.setattr(torch_transport, "_mark_dead", late)
+    receiver = TorchReceiver(timeout_s=STEP_TIMEOUT_S, host="127.0.0.1")
     try:
         async with peer.streams():
-            await peer.transfer(receiver, Spec(seed=40))
+            await peer.transfer(receiver, Spec(seed=40))  # builds the pair (slow on a busy machine)
+            receiver.timeout_s = 2.0  # the deadline of every transfer prepared from now on
             with pytest.raises(KVTransferFault, match=r"recv of chunk 2 .*Timed out waiting") as caught:
                 await peer.transfer(receiver, Spec(seed=41, mode="stall"))
             given_ms = re.search(r"Timed out waiting (\d+)ms", str(caught.value))
