@@ -64,7 +64,10 @@ def choose_weights(
     that kept its GGUF (`kvrelay models prepare` keeps it only when every tensor can stay in blocks).
     Measured on a Sapphire Rapids VM held to AVX2 (docs/performance.md, "GGUF blocks"): prefill 663
     against 617 tok/s, batch 1 144 against 71, batch 32 341 against 291; and its greedy continuations
-    match the fp32 model's at least as often as the bf16 weights'. Where bf16 runs in hardware (AMX),
+    match the fp32 model's at least as often as the bf16 weights'. On a Zen 2 EPYC (AVX2) prefill is
+    about 5% behind instead (353 against 372 tok/s, both in one process: the blocks unpack each matrix
+    for the same fp32 GEMM) while batch 1 is 1.75x and batch 32 1.1x, so auto takes the blocks there too
+    (and holds 97 MB of weights where the safetensors hold 807). Where bf16 runs in hardware (AMX),
     oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x at prefill (1.5x and 2.1x through
     AVX512-BF16 on a Zen 4 EPYC), so auto keeps the safetensors there, as on a GPU."""
     if weights in WEIGHT_CHOICES:
