@@ -602,13 +602,11 @@ class TorchReceiver:
                 raise KVTransferFault(f"chunk {chunk.index} ({chunk.num_tokens} tokens) was not announced")
             if await inbound.arrivals[chunk.index] != chunk.crc32:
                 raise KVTransferFault(f"chunk {chunk.index}: checksum mismatch")
-        except KVTransferFault:
+        except BaseException as exc:
             self._inbound.pop(tag, None)
-            if inbound.group is not None and inbound.group.dead:
-                await _in_thread(inbound.group.told)
-            raise
-        except BaseException:
-            self._inbound.pop(tag, None)
+            group = inbound.group
+            if isinstance(exc, KVTransferFault) and group is not None and group.dead:
+                await _in_thread(group.told)
             raise
         if chunk.index + 1 == len(tokens):
             self._inbound.pop(tag, None)
