@@ -1,7 +1,8 @@
 """`kvrelay bench engine`: our engine against transformers' bf16 `generate`, same prompts, one run.
 
 `--weights safetensors,gguf` measures our engine once per weights setting (model.weights: the float
-safetensors, or the GGUF's blocks as stored), each a side of its own. `--peer llama.cpp PATH` also runs
+safetensors, or the GGUF's blocks as stored), each a side of its own; `--kv-cache-dtype auto,float32`
+crosses them with engine.kv_cache_dtype values (a side per pair). `--peer llama.cpp PATH` also runs
 llama.cpp's `llama-bench` at PATH (scripts/build_llama_bench.sh builds it) on the same GGUF file: its
 pp<prefill> and tg<new tokens> rates are the peer's prefill and batch-1 decode. The run also measures
 this machine's read bandwidth (a sum over 1 GiB, median of 5) and from it the batch-1 decode bound of
@@ -66,11 +67,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated model.weights values, one side each (auto, safetensors, gguf)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="comma-separated engine.kv_cache_dtype values (auto, float32, float16), crossed with --weights",
+    )
+    p.add_argument(
         "--peer", nargs=2, metavar=("NAME", "PATH"), default=None, help="llama.cpp PATH-to-llama-bench"
     )
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
     p.set_defaults(handler=run)
+
+
+def side_name(weights: str, kv: str, num_weights: int, num_kv: int) -> str:
+    """kvrelay, kvrelay-<weights>, kvrelay-<weights>-kv-<dtype>: as many parts as the run varies."""
+    name = "kvrelay" if num_weights == 1 and num_kv == 1 else f"kvrelay-{weights}"
+    return name if num_kv == 1 else f"{name}-kv-{kv}"
 
 
 def _non_negative(text: str) -> int:
@@ -103,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    weights = args.weights.split(",")
+    weights, kv_dtypes = args.weights.split(","), args.kv_cache_dtype.split(",")
     result["bandwidth_gb_s"] = read_bandwidth_gb_s()
     result["sides"] = []
-    for choice in weights:
-        side = "kvrelay" if len(weights) == 1 else f"kvrelay-{choice}"
-        result[side] = measure_kvrelay(args, prompts, prefill_prompts, batches, choice)
+    for choice, kv in ((w, kv) for w in weights for kv in kv_dtypes):
+        side = side_name(choice, kv, len(weights), len(kv_dtypes))
+        result[side] = measure_kvrelay(args, prompts, prefill_prompts, batches, choice, kv)
         result[side]["bound_tok_s"] = result["bandwidth_gb_s"] * 1e9 / result[side]["step_weight_bytes"]
         result["sides"].append(side)
     if args.peer is not None:
@@ -276,8 +288,9 @@ def measure_kvrelay(
     prefill_prompts: list[list[int]],
     batches: list[int],
     weights: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    engine = build_engine(args, max(max(batches), 1), weights)
+    engine = build_engine(args, max(max(batches), 1), weights, kv_cache_dtype)
     prefill_times = []
     for i, prompt in enumerate(prefill_prompts):
         t0 = time.perf_counter()
@@ -287,6 +300,7 @@ def measure_kvrelay(
     out: dict[str, Any] = {
         "prefill_tok_s": args.prefill_tokens / median(prefill_times[1:]),
         "weights": weights,
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "step_weight_bytes": step_weight_bytes(model),
         "decode": {},
     }
@@ -305,8 +319,11 @@ def step_weight_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in data) or int(model.weight_bytes)
 
 
-def build_engine(args: argparse.Namespace, batch_size_limit: int, weights: str = "auto") -> Any:
-    """An engine core for `args.model` at `args.dtype` over `weights` (model.weights), warmed up."""
+def build_engine(
+    args: argparse.Namespace, batch_size_limit: int, weights: str = "auto", kv_cache_dtype: str = "auto"
+) -> Any:
+    """An engine core for `args.model` at `args.dtype` over `weights` (model.weights) with a KV cache of
+    `kv_cache_dtype` (engine.kv_cache_dtype), warmed up."""
     from services.common.config import load_config
     from services.engine.core import EngineCore
 
@@ -315,6 +332,7 @@ def build_engine(args: argparse.Namespace, batch_size_limit: int, weights: str =
     cfg = cfg.model_copy(
         update={
             "model": cfg.model.model_copy(update=model_update),
+            "engine": cfg.engine.model_copy(update={"kv_cache_dtype": kv_cache_dtype}),
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }
     )

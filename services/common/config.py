@@ -68,6 +68,12 @@ class EngineConfig(_Section):
     # debugging switch). triton: the Triton kernels, refused at load where a layer has none; on a CPU
     # they run under Triton's interpreter (slow: tests). services/engine/attention_backend.py.
     attention: Literal["auto", "torch", "triton"] = "auto"
+    # The KV cache's element type. auto: float16 under model.weights gguf-int8 on the CPU kernels (as
+    # llama.cpp keeps its cache: half the bytes a decode step's attention reads, twice the tokens per MB),
+    # else the model's own (float32 on the CPU kernels, the compute dtype elsewhere). float16 or float32
+    # by name: on torch attention and the CPU kernels only (loader.resolve_kv_dtype). A KV dtype other
+    # than the model's own changes the served model fingerprint.
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = "auto"
     # Launch step t+1 before reading back step t's tokens, so the host schedules and prepares t+1 while
     # t runs on the device (services/engine/core.py). None: on a GPU only (on a CPU the forward runs on
     # the host itself, so overlapping only delays each token by a step).

@@ -223,7 +223,7 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata", int
 def kernel_decode_attention(
     kernels: CpuKernels | None, meta: AttentionMetadata, scale: float | None = None
 ) -> DecodeAttention | None:
-    """The C kernel for this step's decode rows, reading the (fp32) cache in place; None where it does
+    """The C kernel for this step's decode rows, reading the (fp32 or fp16) cache in place; None where it does
     not run (no kernels, or no decode rows). Family-neutral: it only attends."""
     num_decode = meta.num_decode_tokens
     if kernels is None or not num_decode:
@@ -264,11 +264,13 @@ def paged_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, kv_heads, head_dim], already
-    written to the cache. Returns [num_tokens, num_heads, head_dim]. The cache may hold a wider dtype
-    than q (fp32 KV under bf16 compute); the gathered groups are attended in the cache's dtype.
+    written to the cache. Returns [num_tokens, num_heads, head_dim]. The cache may hold another dtype than
+    q (fp32 KV under bf16 compute, fp16 KV under fp32: engine.kv_cache_dtype); the gathered groups are
+    attended in the wider of the two, and a fresh prompt attends its k, v as the cache holds them.
     `decode_attention`, when given, takes the decode rows (the C kernel reads the cache in place).
     `window`: a sliding-window layer's window; `scale`: the score scale (default head_dim ** -0.5)."""
     if meta.is_fresh_prompt:  # 4-D inputs: the 3-D form falls back to SDPA's slow math kernel
+        k, v = _as_stored(k, cache), _as_stored(v, cache)
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, num_tokens, hd]
         mask = None if window is None else meta.fresh_prompt_mask(window)
         out = F.scaled_dot_product_attention(
@@ -293,6 +295,14 @@ def paged_attention(
     return out
 
 
+def _as_stored(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """t as the cache holds it, in t's dtype: rounded through a narrower cache (fp16 KV), so a fresh prompt
+    sees the same keys and values as every later step that reads them back (fp32 holds all exactly)."""
+    if cache.dtype in (t.dtype, torch.float32):
+        return t
+    return t.to(cache.dtype).to(t.dtype)
+
+
 def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata, scale: float | None) -> torch.Tensor:
     num_rows, max_ctx = group.gather_slots.shape
     _, _, num_kv_heads, head_dim = cache.shape
@@ -300,8 +310,10 @@ def _attend(q: torch.Tensor, cache: torch.Tensor, group: GroupMetadata, scale: f
     kv = kv.view(num_rows, max_ctx, 2, num_kv_heads, head_dim)
     k = kv[:, :, 0].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
     v = kv[:, :, 1].transpose(1, 2)  # [num_rows, kv_heads, max_ctx, head_dim]
-    q_cache = q.to(cache.dtype)
-    out = F.scaled_dot_product_attention(q_cache, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    wide = torch.promote_types(q.dtype, cache.dtype)  # fp32 for bf16 q over fp32 KV, fp32 q over fp16 KV
+    out = F.scaled_dot_product_attention(
+        q.to(wide), k.to(wide), v.to(wide), attn_mask=group.mask, scale=scale, enable_gqa=True
+    )
     return out.to(q.dtype)
 
 

@@ -119,6 +119,7 @@ def build_core(config: KvrelayConfig) -> EngineCore:
         attention=engine.attention,
         block_size=engine.block_size,
         weights=model.weights,
+        kv_cache_dtype=engine.kv_cache_dtype,
     )
     grammars = GrammarMatchers(
         Path(model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size

@@ -97,6 +97,39 @@ def weights_fingerprint(model_fingerprint: str, weights: str) -> str:
     return hashlib.sha256(f"{model_fingerprint}\x00weights={weights}".encode()).hexdigest()
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # engine.kv_cache_dtype
+
+
+def resolve_kv_dtype(setting: str, model: CausalLM, int8_activations: bool) -> torch.dtype:
+    """`engine.kv_cache_dtype` for a built model. auto: fp16 where gguf-int8 runs on the C kernels (as
+    llama.cpp keeps its cache: half the bytes a decode step's attention reads), else the family's own
+    choice (fp32 on the C kernels, the compute dtype elsewhere). An explicit dtype other than the family's
+    needs torch attention (the C kernels included), which casts on store and attends in the wider dtype;
+    the Triton kernels keep their own, so that is refused."""
+    natural = model.kv_dtype
+    if setting == "auto":
+        on_kernels = getattr(model, "attention_kernels", None) is not None
+        return torch.float16 if int8_activations and on_kernels else natural
+    if setting not in KV_CACHE_DTYPES:
+        known = ", ".join(KV_CACHE_DTYPES)
+        raise ConfigError(f"engine.kv_cache_dtype {setting!r} is not one of auto, {known}")
+    wanted = KV_CACHE_DTYPES[setting]
+    if wanted != natural and model.paged.name != "torch":
+        raise ConfigError(
+            f"engine.kv_cache_dtype {setting} needs torch attention or the CPU kernels: the "
+            f"{model.paged.name} kernels keep the KV cache in {str(natural).removeprefix('torch.')}"
+            " (set engine.kv_cache_dtype auto, or engine.attention torch)"
+        )
+    return wanted
+
+
+def kv_fingerprint(model_fingerprint: str, kv_dtype: torch.dtype) -> str:
+    """The fingerprint of a model whose KV cache holds other numbers than its family would keep (fp16 KV
+    rounds keys and values): prefix-cache hashes, P/D pairing and caches must not mix the two."""
+    name = str(kv_dtype).removeprefix("torch.")
+    return hashlib.sha256(f"{model_fingerprint}\x00kv={name}".encode()).hexdigest()
+
+
 def resolve_precision(dtype: str, device: str = "cpu", flags: frozenset[str] | None = None) -> Precision:
     """`model.dtype` to a precision. "auto" takes bf16 throughout where bf16 math runs in hardware (CUDA,
     AVX512-BF16 or AMX CPUs), and bf16 weights with fp32 compute elsewhere: on an AVX2-only CPU bf16
@@ -131,10 +164,12 @@ def load_model(
     attention: str = "auto",
     block_size: int = 16,
     weights: str = "safetensors",  # model.weights
+    kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype
 ) -> LoadedModel:
     """Verify the directory against its manifest, then build the model on `device` (the CPU by default),
     its layers on the paged attention `engine.attention` names (attention_backend.py) for KV blocks of
-    `block_size`, over the weights `model.weights` names (choose_weights). Nothing loads from a hub."""
+    `block_size` in `kv_cache_dtype` (resolve_kv_dtype), over the weights `model.weights` names
+    (choose_weights). Nothing loads from a hub."""
     device = device or torch.device("cpu")
     path = Path(model_dir)
     if not path.is_dir():
@@ -145,7 +180,9 @@ def load_model(
         weights, path, architecture=config.architecture, dtype=dtype, device=device.type, attention=attention
     )
     if chosen != "safetensors":
-        return _load_gguf_blocks(path, manifest, config, dtype, device, attention, block_size, chosen)
+        return _load_gguf_blocks(
+            path, manifest, config, dtype, device, attention, block_size, chosen, kv_cache_dtype
+        )
     precision = resolve_precision(dtype, device.type)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -155,7 +192,7 @@ def load_model(
             raise CorruptModelError(f"cannot read weights {file.name}: {exc}") from exc
         tensors.update({name: t.to(precision.weights) for name, t in loaded.items()})
         del loaded
-    return _build(config, tensors, manifest, precision, dtype, attention, block_size)
+    return _build(config, tensors, manifest, precision, dtype, attention, block_size, kv_cache_dtype)
 
 
 def _load_gguf_blocks(
@@ -167,6 +204,7 @@ def _load_gguf_blocks(
     attention: str,
     block_size: int,
     weights: str,
+    kv_cache_dtype: str,
 ) -> LoadedModel:
     """The directory's GGUF (pinned by its manifest like every file) with its blocks kept as stored;
     `weights` gguf-int8 runs the decode kernels on int8 activations."""
@@ -187,7 +225,17 @@ def _load_gguf_blocks(
     served = dataclasses.replace(manifest, model_fingerprint=fingerprint, source=provenance)
     precision = Precision(torch.float32, torch.float32, blocks=True)
     int8 = weights == "gguf-int8"
-    return _build(config, blocks, served, precision, "float32", attention, block_size, int8)  # type: ignore[arg-type]
+    return _build(
+        config,
+        blocks,  # type: ignore[arg-type]
+        served,
+        precision,
+        "float32",
+        attention,
+        block_size,
+        kv_cache_dtype,
+        int8,
+    )
 
 
 def stored_weight_bytes(model_dir: str | Path, dtype: str, device: str = "cuda") -> int:
@@ -213,6 +261,7 @@ def load_state_dict(
     *,
     attention: str = "auto",
     block_size: int = 16,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """A model from a transformers-style config dict and state dict in memory, without a disk round trip.
 
@@ -231,7 +280,7 @@ def load_state_dict(
         model_fingerprint=fingerprint or _state_dict_digest(config, state_dict),
         source={"kind": "state_dict"},
     )
-    return _build(model_config, weights, manifest, precision, dtype, attention, block_size)
+    return _build(model_config, weights, manifest, precision, dtype, attention, block_size, kv_cache_dtype)
 
 
 def _state_dict_digest(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -250,6 +299,7 @@ def _build(
     dtype: str,
     attention: str = "auto",
     block_size: int = 16,
+    kv_cache_dtype: str = "auto",
     int8_activations: bool = False,
 ) -> LoadedModel:
     model = build_model(
@@ -260,6 +310,16 @@ def _build(
         block_size=block_size,
         int8_activations=int8_activations,
     )
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, model, int8_activations)
+    if kv_dtype != model.kv_dtype:
+        model.kv_dtype = kv_dtype
+        provenance = {
+            **manifest.source,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+            "directory_fingerprint": manifest.directory_fingerprint,
+        }
+        fingerprint = kv_fingerprint(manifest.model_fingerprint, kv_dtype)
+        manifest = dataclasses.replace(manifest, model_fingerprint=fingerprint, source=provenance)
     weight_bytes = getattr(model, "weight_bytes", None)
     if weight_bytes is None:  # a family that does not count its own (float tensors only)
         elem = torch.empty((), dtype=precision.weights).element_size()
@@ -270,6 +330,7 @@ def _build(
             "model_fingerprint": manifest.model_fingerprint,
             "dtype": dtype,
             "precision": precision.describe(),
+            "kv_cache_dtype": str(model.kv_dtype).removeprefix("torch."),
             "weight_bytes": weight_bytes,
         },
     )

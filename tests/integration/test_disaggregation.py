@@ -32,7 +32,8 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 
 
 class PDStack:
-    def __init__(self, model_dir: Path, logs: Path) -> None:
+    def __init__(self, model_dir: Path, logs: Path, **settings: str) -> None:
+        """`settings`: more KVRELAY_* variables for every process (another weights or KV setting)."""
         env = stack_env(
             TOKEN,
             KVRELAY_MODEL__DTYPE="float32",
@@ -46,6 +47,7 @@ class PDStack:
             # start: started by the first transfer instead, it forks from a gRPC thread, which on a loaded
             # machine left it unanswering ("no response from torch_shm_manager") and the transfer fell back.
             KVRELAY_DISAGGREGATION__TRANSPORT="ipc",
+            **settings,
         )
         self.addresses = {name: f"127.0.0.1:{free_port()}" for name in ("prefill", "decode", "colocated")}
         self.workers = {

@@ -1,5 +1,6 @@
 """The engine-level handoff on a real model: the KV `ModelRunner.read_kv` copies out of one engine's cache
-tensors, written into another's by `write_kv`, decodes the same tokens as one engine doing both.
+tensors, written into another's by `write_kv`, decodes the same tokens as one engine doing both, over
+fp32 and over fp16 KV caches (engine.kv_cache_dtype: the copies keep the cache's dtype, never widened).
 
 The handoff's bookkeeping (reservations, skips, resume, refusals) is tested on the fake runner in
 tests/unit/test_engine_remote_kv.py; this checks the real runner's KV copies, which the fake stands in for.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.engine.core import EngineCore
 from tests.engine_helpers import generate, make_engine, run_to_completion
@@ -22,19 +24,22 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def engine_for(tiny_dir: Path) -> EngineCore:
-    return make_engine(tiny_dir, "float32", kv_cache_memory_mb=4)
+def engine_for(tiny_dir: Path, kv_cache_dtype: str = "auto") -> EngineCore:
+    return make_engine(tiny_dir, "float32", kv_cache_memory_mb=4, kv_cache_dtype=kv_cache_dtype)
 
 
+@pytest.mark.parametrize("kv", ["auto", "float16"])
 @pytest.mark.parametrize("name", sorted(PROMPTS))
-def test_handoff_decodes_the_same_tokens_as_one_engine(tiny_dir: Path, name: str) -> None:
+def test_handoff_decodes_the_same_tokens_as_one_engine(tiny_dir: Path, name: str, kv: str) -> None:
     prompt = PROMPTS[name]
-    want = generate(engine_for(tiny_dir), {"r": prompt}, GREEDY)["r"]
-    producer, consumer = engine_for(tiny_dir), engine_for(tiny_dir)
+    want = generate(engine_for(tiny_dir, kv), {"r": prompt}, GREEDY)["r"]
+    producer, consumer = engine_for(tiny_dir, kv), engine_for(tiny_dir, kv)
+    assert producer.kv_dtype == (torch.float16 if kv == "float16" else torch.float32)
     skip = consumer.reserve_remote("r", prompt, GREEDY)
     assert skip == 0
     first, export = prefill(producer, "r", prompt, GREEDY, skip)
     assert export.start_token == 0 and export.kv.shape[1] == len(prompt)
+    assert export.kv.dtype == producer.kv_dtype
     assert_idle(producer)  # the prefill replica keeps nothing active (its blocks stay cached)
     consumer.install_remote("r", first, export)
     got = [first.token_id, *run_to_completion(consumer)["r"]]
@@ -53,3 +58,11 @@ def test_cached_prefix_on_the_decode_side_is_not_sent_again(tiny_dir: Path) -> N
     want = generate(engine_for(tiny_dir), {"r": prompt}, GREEDY)["r"]
     assert [first.token_id, *run_to_completion(consumer)["r"]] == want
     assert_idle(consumer)
+
+
+def test_an_fp16_cache_holds_twice_the_blocks_and_serves_its_own_fingerprint(tiny_dir: Path) -> None:
+    wide, narrow = engine_for(tiny_dir), engine_for(tiny_dir, "float16")
+    assert narrow.stats().kv_blocks.num_total == 2 * wide.stats().kv_blocks.num_total  # same 4 MB
+    assert narrow.manifest.model_fingerprint != wide.manifest.model_fingerprint  # never paired together
+    assert narrow.root_hash != wide.root_hash  # nor prefix-matched
+    assert narrow.manifest.directory_fingerprint == wide.manifest.directory_fingerprint

@@ -1,10 +1,11 @@
 """The quality bar of the GGUF block weights on the real SmolLM2 file (issue 26), over the fixture prompts
 of tests/fixtures/smollm2_greedy_fp32.json:
 
-- `model.weights gguf-int8` (blocks, decode kernels on int8 activations): teacher-forced on the fixture's
-  greedy continuations, its top-1 token agrees with the fp32 model's at >= 99% of positions;
+- `model.weights gguf-int8` (blocks, decode kernels on int8 activations, and by default an fp16 KV cache):
+  teacher-forced on the fixture's greedy continuations, its top-1 token agrees with the fp32 model's at
+  >= 99% of positions;
 - both block paths load from the prepared directory's `model.gguf`, report a fingerprint of their own, and
-  keep at most the GGUF's size + 10% of weights resident.
+  keep at most the GGUF's size + 10% of weights resident; so does gguf-int8 over an fp32 KV cache.
 
 (`model.weights gguf` with fp32 activations passes the greedy fixture itself: test_engine_identity.py.)
 """
@@ -51,9 +52,8 @@ def teacher_forced_top1(loaded: LoadedModel, tokens: list[int], num_prompt: int)
     model = loaded.model
     cfg = loaded.config
     num_blocks = -(-len(tokens) // BLOCK_SIZE)
-    caches = [
-        torch.zeros(num_blocks * BLOCK_SIZE, 2, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)
-    ]
+    shape = (num_blocks * BLOCK_SIZE, 2, cfg.num_kv_heads, cfg.head_dim)
+    caches = [torch.zeros(shape, dtype=model.kv_dtype) for _ in range(cfg.num_layers)]
     block_ids = list(range(num_blocks))
     picks = []
     for start in range(0, len(tokens), CHUNK):
@@ -67,6 +67,7 @@ def teacher_forced_top1(loaded: LoadedModel, tokens: list[int], num_prompt: int)
 def test_int8_activations_agree_with_fp32_teacher_forced(
     fp32: LoadedModel, int8: LoadedModel, cases: list[dict[str, Any]]
 ) -> None:
+    assert (fp32.model.kv_dtype, int8.model.kv_dtype) == (torch.float32, torch.float16)  # the defaults
     num_same = num_positions = 0
     for case in cases:
         prompt, output = case["prompt_token_ids"], case["output_token_ids"]
@@ -88,12 +89,16 @@ def test_block_weights_have_their_own_fingerprint_and_stay_near_the_gguf_size(
     assert GGUF_WEIGHTS_NAME in manifest.files  # the manifest pins the GGUF it serves
     assert fp32.manifest.model_fingerprint == manifest.model_fingerprint
     plain = load_model(model_dir, "float32", weights="gguf")
+    int8_kv32 = load_model(model_dir, "float32", weights="gguf-int8", kv_cache_dtype="float32")
+    assert (plain.model.kv_dtype, int8_kv32.model.kv_dtype) == (torch.float32, torch.float32)
     fingerprints = {
         manifest.model_fingerprint,
         plain.manifest.model_fingerprint,
         int8.manifest.model_fingerprint,
+        int8_kv32.manifest.model_fingerprint,
     }
-    assert len(fingerprints) == 3  # prefix caches and P/D pairs never mix the three
+    assert len(fingerprints) == 4  # prefix caches and P/D pairs never mix weights or KV dtypes
     # each still names the directory it came from (workers report it; the router's pin is on it)
     assert plain.manifest.directory_fingerprint == int8.manifest.directory_fingerprint
+    assert int8_kv32.manifest.directory_fingerprint == int8.manifest.directory_fingerprint
     assert int8.manifest.directory_fingerprint == manifest.model_fingerprint == manifest.directory_fingerprint

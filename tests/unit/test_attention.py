@@ -36,16 +36,17 @@ def setup_step(
     head_dim: int = 16,
     seed: int = 0,
     block_size: int = BLOCK_SIZE,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[RowSpec], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows in flat order, q [tokens, heads, hd], new k/v [tokens, kv_heads, hd], and a cache holding
-    random old context plus the new k/v already written."""
+    """Rows in flat order, q [tokens, heads, hd], new k/v [tokens, kv_heads, hd], and a cache (of
+    `kv_dtype`) holding random old context plus the new k/v already written."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = max(64, sum(-(-(start + num_new) // block_size) + 1 for start, num_new in specs))
     decode, prefill = make_rows(specs, num_blocks, g, block_size)
     rows = decode + prefill
     num_tokens = sum(r.num_new_tokens for r in rows)
     shape = (num_blocks * block_size, 2, num_kv_heads, head_dim)
-    cache = torch.randn(*shape, generator=g)  # [slots, 2, kv_heads, head_dim]
+    cache = torch.randn(*shape, generator=g).to(kv_dtype)  # [slots, 2, kv_heads, head_dim]
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g)  # [tokens, heads, hd]
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # [tokens, kvh, hd]
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # [tokens, kvh, hd]
@@ -74,10 +75,16 @@ def kernels() -> CpuKernels:
     return loaded
 
 
+KV_DTYPES = {"kv-fp32": torch.float32, "kv-fp16": torch.float16}  # engine.kv_cache_dtype on the CPU
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
-def test_torch_path_matches_reference(case: str, num_heads: int, num_kv_heads: int) -> None:
-    rows, q, k, v, cache = setup_step(CASES[case], num_heads, num_kv_heads)
+def test_torch_path_matches_reference(case: str, num_heads: int, num_kv_heads: int, kv: str) -> None:
+    """fp32 queries over an fp32 or fp16 cache: the reference reads the cache's values exactly, so the
+    fp16 cache is held to the same tolerance (a fresh prompt must attend its k, v as stored)."""
+    rows, q, k, v, cache = setup_step(CASES[case], num_heads, num_kv_heads, kv_dtype=KV_DTYPES[kv])
     decode = [r for r in rows if r.num_new_tokens == 1]
     meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
     got = paged_attention(q, k, v, cache, meta)
@@ -85,11 +92,14 @@ def test_torch_path_matches_reference(case: str, num_heads: int, num_kv_heads: i
     torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (9, 3)])
-def test_kernel_matches_reference(kernels: CpuKernels, case: str, num_heads: int, num_kv_heads: int) -> None:
+def test_kernel_matches_reference(
+    kernels: CpuKernels, case: str, num_heads: int, num_kv_heads: int, kv: str
+) -> None:
     head_dim = 64 if num_heads == 9 else 16
-    rows, q, _, _, cache = setup_step(CASES[case], num_heads, num_kv_heads, head_dim)
+    rows, q, _, _, cache = setup_step(CASES[case], num_heads, num_kv_heads, head_dim, kv_dtype=KV_DTYPES[kv])
     decode = [r for r in rows if r.num_new_tokens == 1]
     meta = build_metadata(decode, rows[len(decode) :], BLOCK_SIZE)
     flat_q = q.reshape(q.shape[0], -1)  # [tokens, heads * hd]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.bench.engine import bound_line, peer_line, table
+from services.bench.engine import bound_line, peer_line, side_name, table
 
 RESULT = {
     "sides": ["kvrelay-safetensors", "kvrelay-gguf-int8", "llama.cpp"],
@@ -38,3 +38,9 @@ def test_the_bound_line_gives_the_share_of_the_bandwidth_bound() -> None:
     line = bound_line("kvrelay-gguf-int8", RESULT["kvrelay-gguf-int8"], 1, 31.8)
     assert line.startswith("kvrelay-gguf-int8: decode @1 157.7 tok/s = 48% of the bound 331 tok/s")
     assert line.endswith("(31.8 GB/s read, 96 MB of weights a step)")
+
+
+def test_side_names_carry_only_what_the_run_varies() -> None:
+    assert side_name("auto", "auto", 1, 1) == "kvrelay"
+    assert side_name("gguf-int8", "auto", 2, 1) == "kvrelay-gguf-int8"
+    assert side_name("gguf-int8", "float32", 1, 2) == "kvrelay-gguf-int8-kv-float32"

@@ -88,7 +88,9 @@ async def node() -> AsyncIterator[Node]:
     engine.start()
     in_flight: set[str] = set()
     layout = kv_layout(core)
-    ipc = IpcSender(core.device, hold_s=30.0)
+    # expected: torch's shared-memory manager starts here, on the test's thread, as a worker whose transport
+    # is ipc starts it; forked from a gRPC thread mid-call it can leave "no response from torch_shm_manager"
+    ipc = IpcSender(core.device, hold_s=30.0, expected=True)
     fingerprint = core.manifest.model_fingerprint
     prefill = PrefillService(
         engine, fingerprint, layout, TransferCounters(), {"grpc": GrpcSender(), "ipc": ipc}, in_flight

@@ -103,6 +103,32 @@ def test_rope_write_kv_matches_reference(kernels: CpuKernels) -> None:
     assert torch.equal(cache[slots, 1], v.reshape(3, num_kv_heads, head_dim))
 
 
+def test_rope_write_kv_rounds_into_an_fp16_cache_as_torch_does(kernels: CpuKernels) -> None:
+    """An fp16 cache (engine.kv_cache_dtype float16) gets the rotated k and the v rounded to nearest even,
+    bit for bit torch's .to(float16), which the torch path's write_kv stores; other slots stay untouched."""
+    num_heads, num_kv_heads, head_dim = 3, 1, 64
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    qkv = randn(5, (num_heads + 2 * num_kv_heads) * head_dim, seed=14) * 30  # [M, qkv_size]: some large
+    qkv[0, -8:] = torch.tensor([1e-7, 7e4, 65519.0, -(2.0**-24), 2.0**-25, 1.0 + 2.0**-11, 0.0, -0.0])
+    positions = torch.tensor([0, 1, 5, 33, 63])  # [M]
+    slots = torch.tensor([7, 0, 3, 12, 9])  # [M]
+    cache = torch.full((16, 2, num_kv_heads, head_dim), 7.0, dtype=torch.float16)  # [slots, 2, kvh, hd]
+    kernels.rope_write_kv(qkv, num_heads, num_kv_heads, positions, (rope.cos, rope.sin), cache, slots)
+    kv = qkv[:, num_heads * head_dim :].reshape(5, 2, num_kv_heads, head_dim)  # rotated k, and v
+    assert torch.equal(cache[slots].view(torch.int16), kv.to(torch.float16).view(torch.int16))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((cache[untouched] == 7.0).all())
+
+
+def test_kernels_refuse_a_bf16_cache(kernels: CpuKernels) -> None:
+    rope = RotaryEmbedding(16, 8, 10000.0)
+    qkv = randn(1, 3 * 16, seed=15)  # [1, qkv_size]: 1 head, 1 kv head
+    cache = torch.zeros(4, 2, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        kernels.rope_write_kv(qkv, 1, 1, torch.tensor([0]), (rope.cos, rope.sin), cache, torch.tensor([0]))
+
+
 def test_rope_reference_matches_the_model_rotary_embedding() -> None:
     rope = RotaryEmbedding(16, 64, 10000.0)
     q = randn(4, 3, 16, seed=12)  # [M, heads, hd]

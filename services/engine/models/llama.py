@@ -43,7 +43,7 @@ from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.models.config import ModelConfig
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
-from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers
+from services.engine.ops.cpu import KV_CACHE_DTYPES, CpuKernels, LlamaDims, LlamaLayerPointers
 from services.engine.ops.packed_linear import Linear, make_linear
 from services.engine.ops.quant import (
     INT8_ACTIVATIONS,
@@ -221,8 +221,9 @@ class LlamaModel:
             else make_linear(self.lm_head)
         )
         self.kernels = kernels if self._kernels_fit() else None  # every layer in one call (fp32 only)
-        # Decode rows read the cache in place through the C kernel, which wants fp32 KV: under bf16
-        # compute the cache is then kept in fp32 (bf16 K/V are stored exactly; twice the bytes).
+        # Decode rows read the cache in place through the C kernel, which reads fp32 or fp16 KV: under
+        # bf16 compute the cache is kept in fp32 (bf16 K/V are stored exactly; twice the bytes), unless
+        # engine.kv_cache_dtype says otherwise (loader.resolve_kv_dtype).
         self.attention_kernels = kernels
         self.kv_dtype = torch.float32 if kernels is not None else dtype
         self._pointers: _KernelPointers | None = None
@@ -394,7 +395,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         h = self._embed(token_ids).float()  # [num_tokens, hidden]
         kernels.llama_layers(
-            self._dims(meta.block_size),
+            self._dims(meta.block_size, kv_caches[0].dtype),
             self._layer_pointers(kv_caches),
             h,
             meta.positions,
@@ -404,12 +405,14 @@ class LlamaModel:
         )
         return h
 
-    def _dims(self, block_size: int) -> LlamaDims:
+    def _dims(self, block_size: int, kv_dtype: torch.dtype) -> LlamaDims:
         cfg = self.config
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"the kernel path needs fp32 or fp16 KV caches, not {kv_dtype}")
         weight_code = int(self.weight_format or 0) | (INT8_ACTIVATIONS if self.int8_activations else 0)
         return LlamaDims(
             cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            block_size, cfg.rms_norm_eps, weight_code,
+            block_size, cfg.rms_norm_eps, weight_code, int(kv_dtype == torch.float16),
             self.rope.cos.data_ptr(), self.rope.sin.data_ptr(),
         )  # fmt: skip
 
@@ -419,8 +422,8 @@ class LlamaModel:
         if known is not None and _same_tensors(known.caches, kv_caches):
             return known.layers
         for cache in kv_caches:
-            if cache.dtype != torch.float32 or not cache.is_contiguous():
-                raise ValueError("the kernel path needs contiguous float32 KV caches")
+            if cache.dtype != kv_caches[0].dtype or not cache.is_contiguous():
+                raise ValueError("the kernel path needs contiguous KV caches of one dtype")
         array = (LlamaLayerPointers * len(kv_caches))()
         keep_alive: list[torch.Tensor] = []
         for i, (s, cache) in enumerate(zip(self.stored_layers, kv_caches, strict=True)):

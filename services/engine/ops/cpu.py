@@ -1,4 +1,5 @@
-"""Typed wrappers over the C kernels in kernels.c. Tensors are fp32 on the CPU, last dim contiguous.
+"""Typed wrappers over the C kernels in kernels.c. Tensors are fp32 on the CPU, last dim contiguous; a KV
+cache is fp32 or fp16 (engine.kv_cache_dtype).
 
 The kernels write into the `out` tensors they are given, so a caller can keep buffers across steps.
 Each method's torch twin is in reference.py.
@@ -30,6 +31,7 @@ class LlamaDims(ctypes.Structure):
         ("block_size", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("weights_format", ctypes.c_int32),  # quant.WeightFormat
+        ("kv_f16", ctypes.c_int32),  # the caches hold fp16 (else fp32)
         ("cos_table", ctypes.c_void_p),
         ("sin_table", ctypes.c_void_p),
     ]
@@ -60,8 +62,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _P, _C],
     "kr_dequantize": [_P, _C, _P, _I, _I, _C],
     "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
-    "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P],
-    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _C],
+    "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P, _C],
+    "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _C, _C],
 }
 
 
@@ -83,6 +85,17 @@ def _format_of(weight: torch.Tensor | QuantizedWeight) -> tuple[WeightFormat, in
     if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or k % 8:
         raise ValueError(f"weight must be contiguous fp32/bf16 with K % 8 == 0, got {weight.dtype} {k}")
     return (WeightFormat.BF16 if weight.dtype == torch.bfloat16 else WeightFormat.F32), num_out, k
+
+
+KV_CACHE_DTYPES = (torch.float32, torch.float16)  # what the attention kernels read and write
+
+
+def _kv_f16(cache: torch.Tensor) -> int:
+    """1 for an fp16 cache, 0 for fp32; raises for any other cache."""
+    if cache.dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"the kernels read fp32 or fp16 KV caches, not {cache.dtype}")
+    _flat(cache, cache.dtype)
+    return int(cache.dtype == torch.float16)
 
 
 def _flat(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -197,18 +210,22 @@ class CpuKernels:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Rotate q and k inside qkv [M, (num_heads + 2 * kv_heads) * head_dim] in place, then write k and v
-        into cache [num_slots, 2, kv_heads, head_dim] at slot_mapping [M]. cos, sin: [max_positions, hd]."""
+        into cache [num_slots, 2, kv_heads, head_dim] (fp32, or fp16 rounded to nearest even) at
+        slot_mapping [M]. cos, sin: [max_positions, hd]."""
         cos, sin = cos_sin
         head_dim = cache.shape[-1]
         if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or cos.shape[1] != head_dim:
             raise ValueError("qkv, cache and the rotary tables disagree on head sizes")
-        for t in (cos, sin, cache):
+        for t in (cos, sin):
             _flat(t, torch.float32)
         for t in (positions, slot_mapping):
             _flat(t, torch.int64)
+        if head_dim % 8:
+            raise ValueError(f"head_dim must be a multiple of 8, got {head_dim}")
         self._lib.kr_rope_write_kv(
             qkv.data_ptr(), _rows(qkv), qkv.shape[0], num_heads, num_kv_heads, head_dim,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache.data_ptr(), slot_mapping.data_ptr(),
+            _kv_f16(cache),
         )  # fmt: skip
 
     def paged_attention(
@@ -227,21 +244,21 @@ class CpuKernels:
         """Causal attention of each token over keys 0..position of its own sequence, read from the cache;
         with a `window`, over its last `window` keys only. `scale` defaults to head_dim ** -0.5.
 
-        q, out: [M, num_heads * head_dim]; cache [num_slots, 2, kv_heads, head_dim]; block_tables
-        [num_rows, max_blocks]; token_rows, positions: [M].
+        q, out: [M, num_heads * head_dim]; cache [num_slots, 2, kv_heads, head_dim], fp32 or fp16;
+        block_tables [num_rows, max_blocks]; token_rows, positions: [M].
         """
         _, _, num_kv_heads, head_dim = cache.shape
         num_heads = q.shape[1] // head_dim
         if out.shape != q.shape or head_dim % 8:
             raise ValueError("the attention output does not match the query, or head_dim % 8 != 0")
-        _flat(cache, torch.float32)
+        kv_f16 = _kv_f16(cache)
         for t in (block_tables, token_rows, positions):
             _flat(t, torch.int64)
         failed = self._lib.kr_paged_attention(
             q.data_ptr(), _rows(q), out.data_ptr(), _rows(out), q.shape[0], num_heads, num_kv_heads,
             head_dim, cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(),
             positions.data_ptr(), window or 0, block_size, head_dim**-0.5 if scale is None else scale,
-            torch.get_num_threads(),
+            torch.get_num_threads(), kv_f16,
         )  # fmt: skip
         if failed:
             raise MemoryError("kr_paged_attention could not allocate its buffers")

@@ -10,7 +10,9 @@
  *
  * Layouts (row-major, strides in elements):
  *   activations x [M, ldx], weights w [N, K] (bf16 as raw uint16 or fp32), outputs y [M, ldy];
- *   KV cache [num_slots, 2, num_kv_heads, head_dim], slot = block_id * block_size + offset.
+ *   KV cache [num_slots, 2, num_kv_heads, head_dim], slot = block_id * block_size + offset, in fp32 or
+ *   fp16 (kv_f16: engine.kv_cache_dtype; written rounded to nearest even, as torch's .to(float16), and
+ *   widened exactly to fp32 on every read, so attention's arithmetic is fp32 either way).
  *
  * Batch invariance: every output element of a token is computed with the same operation order whatever
  * the number of tokens in the call, so a sequence gets bitwise the same numbers alone or in a batch.
@@ -232,11 +234,18 @@ void kr_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t 
     }
 }
 
+/* 8 cache elements from element i of p, widened to fp32 (exact for fp16). */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *p, int64_t i, const int kv_f16) {
+    if (kv_f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 /* Rotate q and k of each token in place (rotate-half layout: x * cos + rotate_half(x) * sin), then write
- * k and v into the token's cache slot. qkv [M, ldq] holds q (num_heads * head_dim), k, v per token. */
+ * k and v into the token's cache slot (fp16: rounded to nearest even; head_dim is a multiple of 8).
+ * qkv [M, ldq] holds q (num_heads * head_dim), k, v per token. */
 void kr_rope_write_kv(float *qkv, int64_t ldq, int64_t M, int num_heads, int num_kv_heads, int head_dim,
-                      const int64_t *positions, const float *cos_table, const float *sin_table, float *cache,
-                      const int64_t *slots) {
+                      const int64_t *positions, const float *cos_table, const float *sin_table, void *cache,
+                      const int64_t *slots, int kv_f16) {
     const int half = head_dim / 2;
     const int64_t kv_size = (int64_t)num_kv_heads * head_dim;
     for (int64_t t = 0; t < M; t++) {
@@ -250,9 +259,16 @@ void kr_rope_write_kv(float *qkv, int64_t ldq, int64_t M, int num_heads, int num
                 x[i + half] = b * c[i + half] + a * s[i + half];
             }
         }
-        float *dst = cache + slots[t] * 2 * kv_size;
         const float *k = tok + (int64_t)num_heads * head_dim;
-        for (int64_t i = 0; i < 2 * kv_size; i++) dst[i] = k[i];
+        if (kv_f16) {
+            uint16_t *dst = (uint16_t *)cache + slots[t] * 2 * kv_size;
+            for (int64_t i = 0; i < 2 * kv_size; i += 8)
+                _mm_storeu_si128((__m128i *)(dst + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+        } else {
+            float *dst = (float *)cache + slots[t] * 2 * kv_size;
+            for (int64_t i = 0; i < 2 * kv_size; i++) dst[i] = k[i];
+        }
     }
 }
 
@@ -266,12 +282,13 @@ void kr_rope_write_kv(float *qkv, int64_t ldq, int64_t M, int num_heads, int num
 
 /* The dot products of q with the 8 keys k[0..7], as one vector: eight running sums, then a
  * transpose-and-add tree instead of eight horizontal sums. */
-static inline __m256 dot8(const float *q, const float *const *k, int head_dim) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *const *k, int head_dim,
+                                                        const int kv_f16) {
     __m256 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
     for (int d = 0; d < head_dim; d += 8) {
         __m256 qv = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), acc[i]);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, load_kv8(k[i], d, kv_f16), acc[i]);
     }
     __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
     __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -282,30 +299,33 @@ static inline __m256 dot8(const float *q, const float *const *k, int head_dim) {
 /* The `group` query heads q + j * head_dim of one token attend to the keys k0..k1-1 (at most KEY_CHUNK)
  * of one KV head, read through the block table. For head j, part + j * (head_dim + 2) receives the
  * chunk's partial softmax: the largest score m, the sum of exp(score - m), and the head_dim sums of
- * exp(score - m) * value (not yet divided). */
-static void attend_chunk(const float *q, int group, int head_dim, const float *cache, int64_t kv_stride,
-                         int64_t v_offset, const int64_t *block_table, int64_t block_size, int64_t k0,
-                         int64_t k1, float scale, float *part) {
-    const int64_t n = k1 - k0;
-    const float *keys[KEY_CHUNK];
+ * exp(score - m) * value (not yet divided). cache, kv_stride and v_offset count cache elements (fp32, or
+ * fp16 under kv_f16, a constant in each of the two instances below). */
+static inline __attribute__((always_inline)) void attend_chunk(
+    const float *q, int group, int head_dim, const void *cache, int64_t kv_stride, int64_t v_offset,
+    const int64_t *block_table, int64_t block_size, int64_t k0, int64_t k1, float scale, float *part,
+    const int kv_f16) {
+    const int64_t n = k1 - k0, elem = kv_f16 ? 2 : 4;
+    const void *keys[KEY_CHUNK];
     float scores[KEY_CHUNK];
     for (int64_t i = 0, b = k0 / block_size, o = k0 % block_size; i < n; i++, o++) {
         if (o == block_size) {
             b++;
             o = 0;
         }
-        keys[i] = cache + (block_table[b] * block_size + o) * kv_stride;
+        keys[i] = (const char *)cache + (block_table[b] * block_size + o) * kv_stride * elem;
     }
     for (int j = 0; j < group; j++) {
         const float *qj = q + (int64_t)j * head_dim;
         float *pj = part + (int64_t)j * (head_dim + 2);
         int64_t i = 0;
         for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(scores + i, _mm256_mul_ps(dot8(qj, keys + i, head_dim), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(scores + i,
+                             _mm256_mul_ps(dot8(qj, keys + i, head_dim, kv_f16), _mm256_set1_ps(scale)));
         for (; i < n; i++) {
             __m256 acc = _mm256_setzero_ps();
             for (int d = 0; d < head_dim; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(keys[i] + d), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), load_kv8(keys[i], d, kv_f16), acc);
             scores[i] = hsum8(acc) * scale;
         }
         float max_score = -INFINITY;
@@ -329,12 +349,27 @@ static void attend_chunk(const float *q, int group, int head_dim, const float *c
             for (int c = 0; c < num_chunks; c++) acc[c] = _mm256_setzero_ps();
             for (i = 0; i < n; i++) {
                 const __m256 p = _mm256_set1_ps(scores[i]);
-                const float *v = keys[i] + v_offset + d0;
-                for (int c = 0; c < num_chunks; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                const void *v = keys[i];
+                for (int c = 0; c < num_chunks; c++)
+                    acc[c] = _mm256_fmadd_ps(p, load_kv8(v, v_offset + d0 + 8 * c, kv_f16), acc[c]);
             }
             for (int c = 0; c < num_chunks; c++) _mm256_storeu_ps(pj + 2 + d0 + 8 * c, acc[c]);
         }
     }
+}
+
+static void attend_chunk_f32(const float *q, int group, int head_dim, const void *cache, int64_t kv_stride,
+                             int64_t v_offset, const int64_t *block_table, int64_t block_size, int64_t k0,
+                             int64_t k1, float scale, float *part) {
+    attend_chunk(q, group, head_dim, cache, kv_stride, v_offset, block_table, block_size, k0, k1, scale, part,
+                 0);
+}
+
+static void attend_chunk_f16(const float *q, int group, int head_dim, const void *cache, int64_t kv_stride,
+                             int64_t v_offset, const int64_t *block_table, int64_t block_size, int64_t k0,
+                             int64_t k1, float scale, float *part) {
+    attend_chunk(q, group, head_dim, cache, kv_stride, v_offset, block_table, block_size, k0, k1, scale, part,
+                 1);
 }
 
 /* out = the chunks' partial softmaxes parts[0..count-1] (stride ld) of one head merged in order:
@@ -368,10 +403,12 @@ static inline int64_t first_key(int64_t ctx, int64_t window) {
  * partial softmaxes take (chunks of every token) * num_heads * (head_dim + 2) floats, allocated per call
  * (SmolLM2: 2.4 KB per 64 keys of a token). */
 int kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t M, int num_heads,
-                       int num_kv_heads, int head_dim, const float *cache, const int64_t *block_tables,
+                       int num_kv_heads, int head_dim, const void *cache, const int64_t *block_tables,
                        int64_t ld_bt, const int64_t *token_rows, const int64_t *positions, int64_t window,
-                       int64_t block_size, float scale, int num_threads) {
+                       int64_t block_size, float scale, int num_threads, int kv_f16) {
     const int group = num_heads / num_kv_heads;
+    void (*const attend)(const float *, int, int, const void *, int64_t, int64_t, const int64_t *, int64_t,
+                         int64_t, int64_t, float, float *) = kv_f16 ? attend_chunk_f16 : attend_chunk_f32;
     const int64_t kv_stride = 2 * (int64_t)num_kv_heads * head_dim, ld_part = head_dim + 2;
     if (M == 0) return 0;
     /* token t's chunks are first[t] .. first[t + 1] - 1 of the step's list; chunk_token maps them back */
@@ -403,10 +440,10 @@ int kr_paged_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int
             const int64_t chunk_start = (start / KEY_CHUNK + c - first[t]) * KEY_CHUNK;
             const int64_t k0 = chunk_start > start ? chunk_start : start;
             const int64_t k1 = chunk_start + KEY_CHUNK < ctx ? chunk_start + KEY_CHUNK : ctx;
-            attend_chunk(q + t * ldq + (int64_t)g * group * head_dim, group, head_dim,
-                         cache + (int64_t)g * head_dim, kv_stride, (int64_t)num_kv_heads * head_dim,
-                         block_tables + token_rows[t] * ld_bt, block_size, k0, k1, scale,
-                         parts + (c * num_heads + (int64_t)g * group) * ld_part);
+            attend(q + t * ldq + (int64_t)g * group * head_dim, group, head_dim,
+                   (const char *)cache + (int64_t)g * head_dim * (kv_f16 ? 2 : 4), kv_stride,
+                   (int64_t)num_kv_heads * head_dim, block_tables + token_rows[t] * ld_bt, block_size, k0, k1,
+                   scale, parts + (c * num_heads + (int64_t)g * group) * ld_part);
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < M * num_heads; task++) {
@@ -426,6 +463,7 @@ typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
     float eps;
     int32_t weights_format; /* kr_format of the four projections, | KR_INT8_ACTIVATIONS for int8 activations */
+    int32_t kv_f16;         /* the layers' caches hold fp16 (else fp32) */
     const float *cos_table, *sin_table; /* [max_positions, head_dim] */
 } kr_dims;
 
@@ -433,7 +471,7 @@ typedef struct {
     const void *qkv_proj, *o_proj, *gate_up_proj, *down_proj; /* [N, K] in weights_format */
     const float *qkv_bias;                                     /* [qkv_size] or NULL */
     const float *input_norm, *post_norm;                       /* [hidden] */
-    float *cache;                                              /* [num_slots, 2, num_kv_heads, head_dim] */
+    void *cache;                                               /* [num_slots, 2, num_kv_heads, head_dim] */
 } kr_layer;
 
 /* Floats of scratch that kr_llama_layers needs for M tokens. */
@@ -464,9 +502,10 @@ int kr_llama_layers(const kr_dims *d, const kr_layer *layers, int64_t num_layers
             for (int64_t m = 0; m < M; m++)
                 for (int64_t i = 0; i < qkv_size; i++) qkv[m * qkv_size + i] += L->qkv_bias[i];
         kr_rope_write_kv(qkv, qkv_size, M, (int)nh, (int)nkv, (int)d->head_dim, positions, d->cos_table,
-                         d->sin_table, L->cache, slots);
+                         d->sin_table, L->cache, slots, d->kv_f16);
         if (kr_paged_attention(qkv, qkv_size, attn, q_size, M, (int)nh, (int)nkv, (int)d->head_dim, L->cache,
-                               block_tables, ld_bt, token_rows, positions, 0, d->block_size, scale, num_threads))
+                               block_tables, ld_bt, token_rows, positions, 0, d->block_size, scale, num_threads,
+                               d->kv_f16))
             return -1;
         kr_linear(attn, q_size, L->o_proj, wb, h, H, M, H, q_size, 1, xbuf, num_threads);
         kr_rms_norm(h, H, L->post_norm, x, H, M, H, d->eps);
