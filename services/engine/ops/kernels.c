@@ -296,6 +296,37 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* The largest of x[0..n-1] (n >= 1), as the scalar loop `m = x[i] > m ? x[i] : m` finds it: 8 lanes at
+ * a time, then across them (max is exact, so the order does not change the result; a NaN is skipped by
+ * both, since _mm256_max_ps returns its second operand, the running maximum, when either is NaN). */
+static inline float max_of(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int64_t i = 0;
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(_mm256_loadu_ps(x + i), v);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, v);
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* dst[0..8 * nc - 1] = sum over keys i < n of p[i] * (value i)[off .. off + 8 * nc - 1], in key order:
+ * nc (at most 8) accumulators of 8 lanes. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *const *keys,
+                                                               int64_t n, int64_t off, const int nc,
+                                                               const int kv_f16, float *dst) {
+    __m256 acc[8];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 w = _mm256_set1_ps(p[i]);
+        for (int c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(w, load_kv8(keys[i], off + 8 * c, kv_f16), acc[c]);
+    }
+    for (int c = 0; c < nc; c++) _mm256_storeu_ps(dst + 8 * c, acc[c]);
+}
+
 /* The `group` query heads q + j * head_dim of one token attend to the keys k0..k1-1 (at most KEY_CHUNK)
  * of one KV head, read through the block table. For head j, part + j * (head_dim + 2) receives the
  * chunk's partial softmax: the largest score m, the sum of exp(score - m), and the head_dim sums of
@@ -328,8 +359,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), load_kv8(keys[i], d, kv_f16), acc);
             scores[i] = hsum8(acc) * scale;
         }
-        float max_score = -INFINITY;
-        for (i = 0; i < n; i++) max_score = scores[i] > max_score ? scores[i] : max_score;
+        float max_score = max_of(scores, n);
         __m256 vmax = _mm256_set1_ps(max_score), vsum = _mm256_setzero_ps();
         for (i = 0; i + 8 <= n; i += 8) {
             __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vmax));
@@ -344,16 +374,10 @@ static inline __attribute__((always_inline)) void attend_chunk(
         pj[0] = max_score;
         pj[1] = sum;
         for (int d0 = 0; d0 < head_dim; d0 += 64) {
-            __m256 acc[8];
-            const int num_chunks = (head_dim - d0 < 64 ? head_dim - d0 : 64) / 8;
-            for (int c = 0; c < num_chunks; c++) acc[c] = _mm256_setzero_ps();
-            for (i = 0; i < n; i++) {
-                const __m256 p = _mm256_set1_ps(scores[i]);
-                const void *v = keys[i];
-                for (int c = 0; c < num_chunks; c++)
-                    acc[c] = _mm256_fmadd_ps(p, load_kv8(v, v_offset + d0 + 8 * c, kv_f16), acc[c]);
-            }
-            for (int c = 0; c < num_chunks; c++) _mm256_storeu_ps(pj + 2 + d0 + 8 * c, acc[c]);
+            if (head_dim - d0 >= 64) /* 8 accumulators known at compile time: kept in registers */
+                weigh_values(scores, keys, n, v_offset + d0, 8, kv_f16, pj + 2 + d0);
+            else
+                weigh_values(scores, keys, n, v_offset + d0, (head_dim - d0) / 8, kv_f16, pj + 2 + d0);
         }
     }
 }
