@@ -76,6 +76,7 @@ def build_engine(hf_model: Any, device: str, dtype: str, **engine: Any) -> Any:
     loaded = load_state_dict(
         config_dict, hf_model.state_dict(), dtype=dtype, fingerprint=f"gpu-check-{id(hf_model)}",
         attention=engine.get("attention", "auto"), block_size=engine.get("block_size", 16),
+        kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
     )  # fmt: skip
     settings = {
         "engine": {"device": device, "enable_prefix_caching": False, **engine},

@@ -34,6 +34,8 @@ from services.bench.stats import median
 from services.bench.tables import format_table
 from services.common.sampling import SamplingParams
 
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16")  # engine.kv_cache_dtype
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -116,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     weights, kv_dtypes = args.weights.split(","), args.kv_cache_dtype.split(",")
+    unknown = sorted(set(kv_dtypes) - set(KV_CACHE_DTYPE_CHOICES))
+    if unknown:  # before any side runs, not minutes in
+        known = ", ".join(KV_CACHE_DTYPE_CHOICES)
+        raise SystemExit(f"--kv-cache-dtype: {', '.join(unknown)} not one of {known}")
     result["bandwidth_gb_s"] = read_bandwidth_gb_s()
     result["sides"] = []
     for choice, kv in ((w, kv) for w in weights for kv in kv_dtypes):

@@ -36,7 +36,7 @@ from services.engine.device import (
 from services.engine.grammar_matchers import GrammarMatchers
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
 from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.loader import LoadedModel, load_model, stored_weight_bytes
+from services.engine.loader import KV_CACHE_DTYPES, LoadedModel, load_model, stored_weight_bytes
 from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM
 from services.engine.runner import ModelRunner
@@ -141,6 +141,13 @@ def build_core_from_loaded(
     engine = config.engine
     device = loaded.model.device
     batch_size_limit = config.limits.batch_size_limit
+    named = KV_CACHE_DTYPES.get(engine.kv_cache_dtype)  # None: auto, whatever the load resolved
+    if named is not None and named != loaded.model.kv_dtype:
+        raise ConfigError(
+            f"engine.kv_cache_dtype is {engine.kv_cache_dtype}, but the model was loaded with a "
+            f"{str(loaded.model.kv_dtype).removeprefix('torch.')} KV cache: load it with "
+            f"kv_cache_dtype={engine.kv_cache_dtype!r}"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     paged = loaded.model.paged

@@ -38,9 +38,9 @@ def test_every_worker_serves_fp16_kv_under_a_fingerprint_of_its_own(pd16: PDStac
 @pytest.mark.parametrize(("router", "transport"), [("router", "grpc"), ("router-ipc", "ipc")])
 def test_fp16_kv_crosses_and_decodes_like_colocated(
     pd16: PDStack,
-    prompts: dict[str, list[int]],
+    prompts: dict[str, list[int]],  # noqa: F811 (the fixture imported above)
     router: str,
-    transport: str,  # noqa: F811 (fixture)
+    transport: str,
 ) -> None:
     for i, name in enumerate(("chat-short", "raw-long")):
         # a token of its own per transport: no side holds this prompt's prefix yet, so P sends it all

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.config import load_config
+from services.common.errors import ConfigError
 from services.engine.core import EngineCore
+from services.engine.factory import build_core_from_loaded
+from services.engine.loader import load_model
 from tests.engine_helpers import generate, make_engine, run_to_completion
 from tests.tiny_model import make_tiny_llama
 from tests.unit.test_engine_remote_kv import GREEDY, PROMPTS, assert_idle, prefill
@@ -66,3 +70,13 @@ def test_an_fp16_cache_holds_twice_the_blocks_and_serves_its_own_fingerprint(tin
     assert narrow.manifest.model_fingerprint != wide.manifest.model_fingerprint  # never paired together
     assert narrow.root_hash != wide.root_hash  # nor prefix-matched
     assert narrow.manifest.directory_fingerprint == wide.manifest.directory_fingerprint
+
+
+def test_a_core_refuses_a_named_kv_dtype_its_loaded_model_does_not_hold(tiny_dir: Path) -> None:
+    loaded = load_model(tiny_dir, "float32")  # auto: the C kernels' fp32 cache
+    config = load_config(None, env={})
+    config = config.model_copy(
+        update={"engine": config.engine.model_copy(update={"kv_cache_dtype": "float16"})}
+    )
+    with pytest.raises(ConfigError, match="is float16, but the model was loaded with a float32"):
+        build_core_from_loaded(loaded, config)

@@ -263,3 +263,31 @@ def test_freed_blocks_before_the_window_are_never_read(kernels: CpuKernels) -> N
         window=window,
     )  # fmt: skip
     torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+@pytest.mark.parametrize("position", [2, 9, 70])  # in a chunk's first 8 keys, past them, a later chunk
+def test_kernel_skips_a_key_whose_score_is_nan(kernels: CpuKernels, kv: str, position: int) -> None:
+    """A key whose score is NaN (garbage, or an overflowed fp16 cache: inf - inf) gets no weight, as if
+    scored -inf, and hides no other key from the chunk's maximum: a loud key 8 further on (the same
+    vector lane) still takes all the weight, where a maximum that lost it would overflow exp."""
+    rows, q, _, _, cache = setup_step([(99, 1)], 4, 4, kv_dtype=KV_DTYPES[kv])
+    (row,) = rows
+
+    def slot(pos: int) -> int:
+        return row.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    for h in range(4):  # scores of 150 after the 1/4 scale: every other key's weight is below e^-140
+        cache[slot(position + 8), 0, h] = (600 * q[0, h] / q[0, h].norm() ** 2).to(cache.dtype)
+    scored_out = cache.clone()
+    for h in range(4):  # the reference's stand-in: a key pointing away from each head's query
+        scored_out[slot(position), 0, h] = (-1e3 * q[0, h] / q[0, h].norm()).to(cache.dtype)
+    want = reference_attention(q, scored_out, rows, BLOCK_SIZE)
+    cache[slot(position), 0, :, 0] = float("nan")
+    meta = build_metadata(rows, [], BLOCK_SIZE)
+    flat_q = q.reshape(1, -1)  # [1, heads * hd]
+    out = torch.empty_like(flat_q)  # [1, heads * hd]
+    kernels.paged_attention(
+        flat_q, out, cache, meta.block_tables, meta.token_rows, meta.positions, BLOCK_SIZE
+    )  # fmt: skip
+    torch.testing.assert_close(out.view_as(q), want, atol=TOL, rtol=TOL)

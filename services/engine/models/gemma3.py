@@ -15,9 +15,9 @@ What differs from Llama (models/llama.py), all following the Hugging Face refere
 - `final_logit_softcapping`, when set, squashes logits with cap * tanh(logits / cap). Attention logit
   softcapping (Gemma 2) is refused: SDPA and the C kernel have no hook for it.
 
-One path runs every step: the torch layer below, with the C kernel attending decode rows in place when
-the KV cache is fp32 (the kernel takes each layer's window and scale). The fused C layer kernel does
-Llama's math only and is not used.
+One path runs every step: the torch layer below, with the C kernel attending decode rows in place on a
+CPU (over an fp32 KV cache, or fp16 under engine.kv_cache_dtype; the kernel takes each layer's window
+and scale). The fused C layer kernel does Llama's math only and is not used.
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ class Gemma3Model:
 
         on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
         kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
-        # Decode rows read the cache in place through the C kernel, which wants fp32 KV.
+        # Decode rows read the cache in place through the C kernel: fp32 KV unless engine.kv_cache_dtype
+        # says fp16 (loader.resolve_kv_dtype).
         self.attention_kernels: CpuKernels | None = kernels
         self.kv_dtype = torch.float32 if kernels is not None else dtype
         formats = dtype == torch.float32 and self.stored_dtype in (torch.float32, torch.bfloat16)

@@ -296,15 +296,16 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-/* The largest of x[0..n-1] (n >= 1), as the scalar loop `m = x[i] > m ? x[i] : m` finds it: 8 lanes at
- * a time, then across them (max is exact, so the order does not change the result; a NaN is skipped by
- * both, since _mm256_max_ps returns its second operand, the running maximum, when either is NaN). */
+/* The largest of x[0..n-1], as the scalar loop `m = x[i] > m ? x[i] : m` from -inf finds it: 8 lanes at
+ * a time, then across them (max is exact, so the order does not change the result). A NaN is skipped by
+ * both: every lane starts at -inf, and _mm256_max_ps returns its second operand, the lane's running
+ * maximum, when either is NaN, so no lane ever holds one. */
 static inline float max_of(const float *x, int64_t n) {
     float m = -INFINITY;
     int64_t i = 0;
     if (n >= 8) {
-        __m256 v = _mm256_loadu_ps(x);
-        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(_mm256_loadu_ps(x + i), v);
+        __m256 v = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= n; i += 8) v = _mm256_max_ps(_mm256_loadu_ps(x + i), v);
         float lanes[8];
         _mm256_storeu_ps(lanes, v);
         for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
