@@ -27,14 +27,13 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from services.bench.plots import plot_engine
 from services.bench.stats import median
 from services.bench.tables import format_table
+from services.common.config import EngineConfig
 from services.common.sampling import SamplingParams
-
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16")  # engine.kv_cache_dtype
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -118,9 +117,10 @@ def run(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     weights, kv_dtypes = args.weights.split(","), args.kv_cache_dtype.split(",")
-    unknown = sorted(set(kv_dtypes) - set(KV_CACHE_DTYPE_CHOICES))
+    choices = get_args(EngineConfig.model_fields["kv_cache_dtype"].annotation)  # the setting's own
+    unknown = sorted(set(kv_dtypes) - set(choices))
     if unknown:  # before any side runs, not minutes in
-        known = ", ".join(KV_CACHE_DTYPE_CHOICES)
+        known = ", ".join(choices)
         raise SystemExit(f"--kv-cache-dtype: {', '.join(unknown)} not one of {known}")
     result["bandwidth_gb_s"] = read_bandwidth_gb_s()
     result["sides"] = []

@@ -43,7 +43,7 @@ from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.models.config import ModelConfig
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
-from services.engine.ops.cpu import KV_CACHE_DTYPES, CpuKernels, LlamaDims, LlamaLayerPointers
+from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers, kv_f16
 from services.engine.ops.packed_linear import Linear, make_linear
 from services.engine.ops.quant import (
     INT8_ACTIVATIONS,
@@ -407,12 +407,10 @@ class LlamaModel:
 
     def _dims(self, block_size: int, kv_dtype: torch.dtype) -> LlamaDims:
         cfg = self.config
-        if kv_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"the kernel path needs fp32 or fp16 KV caches, not {kv_dtype}")
         weight_code = int(self.weight_format or 0) | (INT8_ACTIVATIONS if self.int8_activations else 0)
         return LlamaDims(
             cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            block_size, cfg.rms_norm_eps, weight_code, int(kv_dtype == torch.float16),
+            block_size, cfg.rms_norm_eps, weight_code, kv_f16(kv_dtype),
             self.rope.cos.data_ptr(), self.rope.sin.data_ptr(),
         )  # fmt: skip
 

@@ -87,15 +87,18 @@ def _format_of(weight: torch.Tensor | QuantizedWeight) -> tuple[WeightFormat, in
     return (WeightFormat.BF16 if weight.dtype == torch.bfloat16 else WeightFormat.F32), num_out, k
 
 
-KV_CACHE_DTYPES = (torch.float32, torch.float16)  # what the attention kernels read and write
+def kv_f16(kv_dtype: torch.dtype) -> int:
+    """The kernels' kv_f16 flag for a cache of `kv_dtype`: 1 for fp16, 0 for fp32; raises for any other."""
+    if kv_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"the kernels read fp32 or fp16 KV caches, not {kv_dtype}")
+    return int(kv_dtype == torch.float16)
 
 
 def _kv_f16(cache: torch.Tensor) -> int:
-    """1 for an fp16 cache, 0 for fp32; raises for any other cache."""
-    if cache.dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"the kernels read fp32 or fp16 KV caches, not {cache.dtype}")
+    """kv_f16 of a cache the kernels can read in place (contiguous, on the CPU)."""
+    flag = kv_f16(cache.dtype)
     _flat(cache, cache.dtype)
-    return int(cache.dtype == torch.float16)
+    return flag
 
 
 def _flat(x: torch.Tensor, dtype: torch.dtype) -> None:
