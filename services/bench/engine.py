@@ -15,7 +15,12 @@ prompt (the peer's tg then runs at llama-bench's -d N), where attention's share 
 Prefill is one 512-token prompt (fresh random tokens each run, so no prefix-cache hit), median of 3
 after a warm-up. TTFT is the median time to the first token.
 
-The two sides (`measure_kvrelay`, `measure_baseline`) and the engine helpers (`build_engine`,
+`--rounds N` measures every one of our sides and the peer N times, taking turns (services/bench/rounds.py):
+each side's numbers are then medians over its rounds, and the peer and bound lines add the range of the
+ratios taken within each round, which a shared machine's drift does not skew. Every engine is built
+before the first round; transformers, slow and not a ratio the issue pins, runs once after them.
+
+The two sides (`measure_engine`, `measure_baseline`) and the engine helpers (`build_engine`,
 `run_batch`, `chat_prompts`) also serve `kvrelay bench stack`. torch and transformers (the `worker`
 extra) are imported only when a side runs.
 """
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from services.bench.plots import plot_engine
+from services.bench.rounds import decode_rates, merge_rounds, ratio_range
 from services.bench.stats import median
 from services.bench.tables import format_table
 from services.common.config import EngineConfig
@@ -61,6 +67,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tokens of context before decode: random tokens ahead of each chat prompt (llama-bench -d)",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="measure our sides and the peer this many times, taking turns; report medians and the "
+        "per-round ratios (llama-bench then runs -r 1 a round)",
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (not a comparison)")
     p.add_argument(
         "--weights",
@@ -84,6 +97,13 @@ def side_name(weights: str, kv: str, num_weights: int, num_kv: int) -> str:
     """kvrelay, kvrelay-<weights>, kvrelay-<weights>-kv-<dtype>: as many parts as the run varies."""
     name = "kvrelay" if num_weights == 1 and num_kv == 1 else f"kvrelay-{weights}"
     return name if num_kv == 1 else f"{name}-kv-{kv}"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _non_negative(text: str) -> int:
@@ -122,23 +142,65 @@ def run(args: argparse.Namespace) -> int:
     if unknown:  # before any side runs, not minutes in
         known = ", ".join(choices)
         raise SystemExit(f"--kv-cache-dtype: {', '.join(unknown)} not one of {known}")
-    result["bandwidth_gb_s"] = read_bandwidth_gb_s()
-    result["sides"] = []
-    for choice, kv in ((w, kv) for w in weights for kv in kv_dtypes):
-        side = side_name(choice, kv, len(weights), len(kv_dtypes))
-        result[side] = measure_kvrelay(args, prompts, prefill_prompts, batches, choice, kv)
-        result[side]["bound_tok_s"] = result["bandwidth_gb_s"] * 1e9 / result[side]["step_weight_bytes"]
-        result["sides"].append(side)
-    if args.peer is not None:
-        result["llama.cpp"] = measure_llama_bench(args, Path(args.peer[1]))
-        result["sides"].append("llama.cpp")
+    result.update(measure_in_rounds(args, prompts, prefill_prompts, batches, weights, kv_dtypes))
     if not args.no_baseline:
         result["transformers"] = measure_baseline(args, prompts, prefill_prompts, batches)
         result["sides"].append("transformers")
+    print_comparisons(result, batches)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot_engine(result, batches, args.plot)
+    return 0
+
+
+def measure_in_rounds(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    prefill_prompts: list[list[int]],
+    batches: list[int],
+    weights: list[str],
+    kv_dtypes: list[str],
+) -> dict[str, Any]:
+    """Every (weights, KV dtype) side of ours built first, then `args.rounds` rounds in which this machine's
+    read bandwidth, each side in turn and the peer (if any) are measured: the result's sides (medians over
+    rounds, services/bench/rounds.py), the bandwidth, and each side's bound from it."""
+    engines = {
+        side_name(choice, kv, len(weights), len(kv_dtypes)): (
+            choice,
+            build_engine(args, max(max(batches), 1), choice, kv),
+        )
+        for choice, kv in ((w, kv) for w in weights for kv in kv_dtypes)
+    }
+    rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in [*engines, "llama.cpp"]}
+    bandwidths = []
+    for _ in range(args.rounds):
+        bandwidths.append(read_bandwidth_gb_s())
+        for side, (_, engine) in engines.items():
+            rounds[side].append(measure_engine(args, engine, prompts, prefill_prompts, batches))
+        if args.peer is not None:
+            repetitions = 3 if args.rounds == 1 else 1
+            rounds["llama.cpp"].append(measure_llama_bench(args, Path(args.peer[1]), repetitions))
+    out: dict[str, Any] = {"bandwidth_gb_s": median(bandwidths), "sides": list(engines)}
+    if args.rounds > 1:
+        out |= {"rounds": args.rounds, "bandwidth_rounds_gb_s": bandwidths}
+    for side, (choice, engine) in engines.items():
+        out[side] = {**merge_rounds(rounds[side]), **describe_engine(engine, choice)}
+        out[side]["bound_tok_s"] = out["bandwidth_gb_s"] * 1e9 / out[side]["step_weight_bytes"]
+    if args.peer is not None:
+        out["llama.cpp"] = {**rounds["llama.cpp"][0], **merge_rounds(rounds["llama.cpp"])}
+        out["sides"].append("llama.cpp")
+    return out  # the engines and their KV caches go here, before transformers loads
+
+
+def print_comparisons(result: dict[str, Any], batches: list[int]) -> None:
+    """The table, each side's share of the bound, each side against llama.cpp, and any preemptions."""
     print(format_table(*table(result, batches)))
     for side in result["sides"]:
         if "bound_tok_s" in result[side]:
-            print(bound_line(side, result[side], batches[0], result["bandwidth_gb_s"]))
+            bandwidths = result.get("bandwidth_rounds_gb_s")
+            print(bound_line(side, result[side], batches[0], result["bandwidth_gb_s"], bandwidths))
     if "llama.cpp" in result:
         for side in result["sides"]:
             if side.startswith("kvrelay"):
@@ -150,12 +212,6 @@ def run(args: argparse.Namespace) -> int:
                     f"{side} @{batch}: {rates['preemptions']} preemptions (KV cache full; raise "
                     "engine.kv_cache_memory_mb): its rates include recomputed prefills"
                 )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.plot:
-        plot_engine(result, batches, args.plot)
-    return 0
 
 
 def chat_prompts(model_dir: Path, count: int) -> list[list[int]]:
@@ -193,22 +249,33 @@ def table(result: dict[str, Any], batches: list[int]) -> tuple[list[str], list[l
     return header, rows
 
 
-def bound_line(name: str, side: dict[str, Any], batch: int, bandwidth_gb_s: float) -> str:
-    """How near the memory-bandwidth bound a side decodes at `batch`."""
+def bound_line(
+    name: str, side: dict[str, Any], batch: int, bandwidth_gb_s: float, bandwidths: list[float] | None = None
+) -> str:
+    """How near the memory-bandwidth bound a side decodes at `batch`; with each round's read bandwidth
+    (`bandwidths`), also the range of the shares taken round by round."""
     rate, bound = side["decode"][str(batch)]["tok_s"], side["bound_tok_s"]
+    bounds = [gb_s * 1e9 / side["step_weight_bytes"] for gb_s in bandwidths or []]
+    spread = ratio_range(decode_rates(side, batch), bounds, ".0%")
+    weight_mb = side["step_weight_bytes"] / 1e6
     return (
         f"{name}: decode @{batch} {rate:.1f} tok/s = {rate / bound:.0%} of the bound {bound:.0f} tok/s "
-        f"({bandwidth_gb_s:.1f} GB/s read, {side['step_weight_bytes'] / 1e6:.0f} MB of weights a step)"
+        f"({bandwidth_gb_s:.1f} GB/s read, {weight_mb:.0f} MB of weights a step{spread})"
     )
 
 
 def peer_line(name: str, side: dict[str, Any], peer: dict[str, Any]) -> str:
     """One of our sides against llama-bench on the same GGUF: its prefill and batch-1 decode rates over the
-    peer's (the table's ratio column compares only the first side with the last)."""
+    peer's (the table's ratio column compares only the first side with the last), each with the range of
+    the per-round ratios when the run took turns in rounds."""
     prefill = side["prefill_tok_s"] / peer["prefill_tok_s"]
+    ours_prefill, peer_prefill = ([r["prefill_tok_s"] for r in s.get("rounds", [s])] for s in (side, peer))
     ours, theirs = _decode(side, 1, "tok_s"), _decode(peer, 1, "tok_s")
-    shown = "n/a (no batch 1 measured)" if ours is None or not theirs else f"{ours / theirs:.2f}x"
-    return f"{name} / llama.cpp: prefill {prefill:.2f}x, decode @1 {shown}"
+    shown = "n/a (no batch 1 measured)"
+    if ours is not None and theirs:
+        shown = f"{ours / theirs:.2f}x{ratio_range(decode_rates(side, 1), decode_rates(peer, 1), '.2f')}"
+    prefill_spread = ratio_range(ours_prefill, peer_prefill, ".2f")
+    return f"{name} / llama.cpp: prefill {prefill:.2f}x{prefill_spread}, decode @1 {shown}"
 
 
 def _decode(side: dict[str, Any], batch: int, key: str) -> float | None:
@@ -255,12 +322,12 @@ def at_depth(prompts: list[list[int]], depth: int, rng: random.Random) -> list[l
     return [[rng.randrange(100, 30000) for _ in range(depth)] + prompt for prompt in prompts]
 
 
-def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str, Any]:
+def measure_llama_bench(args: argparse.Namespace, llama_bench: Path, repetitions: int = 3) -> dict[str, Any]:
     """llama.cpp's llama-bench on the GGUF our model directory keeps (else the one it was made from):
     pp<prefill_tokens> and tg<new_tokens> (the latter after `args.depth` tokens of context, its -d; the
-    former from an empty cache, as ours), `args.threads` threads, 3 repetitions, its mean rates. Where its
-    default weight repacking crashes it (its AMX path died with SIGSEGV on a Sapphire Rapids VM), it runs
-    again with `--repack 0` (run_llama_cpp), and the result's command says so."""
+    former from an empty cache, as ours), `args.threads` threads, `repetitions` runs, its mean rates.
+    Where its default weight repacking crashes it (its AMX path died with SIGSEGV on a Sapphire Rapids VM),
+    it runs again with `--repack 0` (run_llama_cpp), and the result's command says so."""
     from services.common.manifest import GGUF_WEIGHTS_NAME
     from services.engine.prepare import default_gguf_path
 
@@ -268,7 +335,8 @@ def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str
     gguf = gguf if gguf.is_file() else default_gguf_path()
     command = [
         str(llama_bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prefill_tokens),
-        "-n", str(args.new_tokens), "-d", ",".join(sorted({"0", str(args.depth)})), "-r", "3", "-o", "json",
+        "-n", str(args.new_tokens), "-d", ",".join(sorted({"0", str(args.depth)})),
+        "-r", str(repetitions), "-o", "json",
     ]  # fmt: skip
     stdout, command = run_llama_cpp(command, ["--repack", "0"], timeout_s=1800)
     runs = json.loads(stdout)
@@ -288,31 +356,40 @@ def measure_llama_bench(args: argparse.Namespace, llama_bench: Path) -> dict[str
 # -- our engine ----------------------------------------------------------------------------------------
 
 
-def measure_kvrelay(
+def measure_engine(
     args: argparse.Namespace,
+    engine: Any,
     prompts: list[list[int]],
     prefill_prompts: list[list[int]],
     batches: list[int],
-    weights: str = "auto",
-    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    engine = build_engine(args, max(max(batches), 1), weights, kv_cache_dtype)
+    """One round on a built engine: prefill tok/s (median of the prompts after the first), then decode at
+    each batch size; "started" is the round's wall-clock start (time.time()), to order it among others."""
+    started = time.time()
     prefill_times = []
     for i, prompt in enumerate(prefill_prompts):
         t0 = time.perf_counter()
         run_batch(engine, [prompt], 1, f"prefill{i}")
         prefill_times.append(time.perf_counter() - t0)
-    model = engine.runner.model
     out: dict[str, Any] = {
+        "started": started,
         "prefill_tok_s": args.prefill_tokens / median(prefill_times[1:]),
-        "weights": weights,
-        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
-        "step_weight_bytes": step_weight_bytes(model),
         "decode": {},
     }
     for b in batches:
         out["decode"][str(b)] = run_batch(engine, prompts[:b], args.new_tokens, f"b{b}")
     return out
+
+
+def describe_engine(engine: Any, weights: str) -> dict[str, Any]:
+    """What a side served: its weights setting, KV cache dtype and the weight bytes a decode step reads."""
+    from services.engine.kv_export import dtype_name
+
+    return {
+        "weights": weights,
+        "kv_cache_dtype": dtype_name(engine.kv_dtype),
+        "step_weight_bytes": step_weight_bytes(engine.runner.model),
+    }
 
 
 def step_weight_bytes(model: Any) -> int:

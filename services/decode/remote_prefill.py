@@ -32,13 +32,8 @@ from services.common.grpc_auth import TokenSource
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.proto_convert import FINISH_FROM_PROTO, EngineInput, logprob_from_proto
 from services.engine.async_engine import AsyncEngine
-from services.kvtransfer.chunks import (
-    KVAssembler,
-    KVTransferFault,
-    Layout,
-    check_header_checksum,
-    dtype_name,
-)
+from services.engine.kv_export import dtype_name
+from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, check_header_checksum
 from services.kvtransfer.ipc_transport import IpcUnavailable
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb

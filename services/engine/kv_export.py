@@ -1,6 +1,7 @@
 """The KV a prefill replica ships to a decode replica, and the error for KV that does not fit.
 
-A module of its own so the KV transfer layer can carry KV without importing the engine core.
+A module of its own so the KV transfer layer can carry KV without importing the engine core; it also names
+dtypes as the KV wire and the configs spell them (dtype_name).
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import InvalidRequestError
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the KV wire, configs, manifests and logs name it: "float16" for torch.float16."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

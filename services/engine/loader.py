@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from services.common.errors import ConfigError, CorruptModelError, ModelLoadError, ModelNotFoundError
 from services.common.manifest import GGUF_WEIGHTS_NAME, UNKNOWN_FINGERPRINT, Manifest, load_verified_manifest
 from services.engine.gguf_weights import BLOCK_ARCHITECTURES, load_gguf_weights
+from services.engine.kv_export import dtype_name
 from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM, build_model
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul
@@ -126,7 +127,7 @@ def resolve_kv_dtype(setting: str, model: CausalLM, int8_activations: bool) -> t
 def kv_fingerprint(model_fingerprint: str, kv_dtype: torch.dtype) -> str:
     """The fingerprint of a model whose KV cache holds other numbers than its family would keep (fp16 KV
     rounds keys and values): prefix-cache hashes, P/D pairing and caches must not mix the two."""
-    name = str(kv_dtype).removeprefix("torch.")
+    name = dtype_name(kv_dtype)
     return hashlib.sha256(f"{model_fingerprint}\x00kv={name}".encode()).hexdigest()
 
 
@@ -315,7 +316,7 @@ def _build(
         model.kv_dtype = kv_dtype
         provenance = {
             **manifest.source,
-            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": dtype_name(kv_dtype),
             "directory_fingerprint": manifest.directory_fingerprint,
         }
         fingerprint = kv_fingerprint(manifest.model_fingerprint, kv_dtype)
@@ -330,7 +331,7 @@ def _build(
             "model_fingerprint": manifest.model_fingerprint,
             "dtype": dtype,
             "precision": precision.describe(),
-            "kv_cache_dtype": str(model.kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": dtype_name(model.kv_dtype),
             "weight_bytes": weight_bytes,
         },
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.kv_export import KVExport
+from services.engine.kv_export import KVExport, dtype_name
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 TARGET_CHUNK_BYTES = 1 << 20
@@ -64,10 +64,6 @@ class Layout:
             raise KVTransferFault(f"unknown KV dtype {msg.dtype!r}")
         device = msg.device or "cpu"
         return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, DTYPES[msg.dtype], msg.block_size, device)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tokens_per_chunk(layout: Layout, target_bytes: int = TARGET_CHUNK_BYTES) -> int:

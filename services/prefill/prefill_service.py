@@ -34,7 +34,8 @@ from services.common.proto_convert import (
 )
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.core import RequestOutput
-from services.kvtransfer.chunks import KVTransferFault, Layout, dtype_name, num_chunks, seal_header
+from services.engine.kv_export import dtype_name
+from services.kvtransfer.chunks import KVTransferFault, Layout, num_chunks, seal_header
 from services.kvtransfer.transport import GrpcSender, KVSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc

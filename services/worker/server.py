@@ -32,6 +32,7 @@ from services.common.sampling import SamplingParams
 from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
+from services.engine.kv_export import dtype_name
 from services.kvtransfer.chunks import Layout
 from services.kvtransfer.ipc_transport import IpcReceiver, IpcSender, ipc_domain
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender, KVReceiver, KVSender
@@ -70,7 +71,7 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         vocab_size=core.model_config.vocab_size,
         role=role,
         name=name,
-        dtype=str(core.weight_dtype).removeprefix("torch."),
+        dtype=dtype_name(core.weight_dtype),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,43 @@ def test_bench_engine_writes_both_sides_and_a_png(chat_model: Path, tmp_path: Pa
             assert_rates(result[side]["decode"][str(batch)], batch, 4)
     assert all(rates["preemptions"] == 0 for rates in result["kvrelay"]["decode"].values())
     assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+PEER_STAND_IN = """#!{python}
+import json, sys, time
+argv = sys.argv[1:]
+with open({log!r}, "a") as log:
+    log.write(json.dumps({{"argv": argv, "at": time.time()}}) + "\\n")
+rows = [{{"n_prompt": 16, "n_gen": 0, "n_depth": 0, "avg_ts": 50.0}},
+        {{"n_prompt": 0, "n_gen": 4, "n_depth": 0, "avg_ts": 5.0}}]
+print(json.dumps(rows))
+"""
+
+
+def test_bench_engine_rounds_take_turns_with_the_peer(chat_model: Path, tmp_path: Path) -> None:
+    # llama.cpp is never built in CI: a stand-in llama-bench (the seam) logs when it ran and with what.
+    calls, stand_in = tmp_path / "calls.jsonl", tmp_path / "llama-bench"
+    stand_in.write_text(PEER_STAND_IN.format(python=sys.executable, log=str(calls)))
+    stand_in.chmod(0o755)
+    out = tmp_path / "engine.json"
+    bench(
+        ["engine", "--model", str(chat_model), "--dtype", "float32", "--concurrency", "1",
+         "--new-tokens", "4", "--prefill-tokens", "16", "--threads", "1", "--rounds", "2",
+         "--no-baseline", "--peer", "llama.cpp", str(stand_in), "--json", str(out)]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    peer_calls = [json.loads(line) for line in calls.read_text().splitlines()]
+    ours = result["kvrelay"]["rounds"]
+    assert result["rounds"] == 2 and len(result["bandwidth_rounds_gb_s"]) == 2 and len(ours) == 2
+    assert [c["argv"][c["argv"].index("-r") + 1] for c in peer_calls] == ["1", "1"]
+    # taking turns: ours, the peer, ours, the peer
+    assert ours[0]["started"] < peer_calls[0]["at"] < ours[1]["started"] < peer_calls[1]["at"]
+    for one in ours:
+        assert_rates(one["decode"]["1"], 1, 4)
+    rates = sorted(r["decode"]["1"]["tok_s"] for r in ours)
+    assert rates[0] <= result["kvrelay"]["decode"]["1"]["tok_s"] <= rates[1]
+    assert result["llama.cpp"]["decode"]["1"]["tok_s"] == 5.0
+    assert len(result["llama.cpp"]["rounds"]) == 2
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineStats
-from services.kvtransfer.chunks import check_header_checksum, dtype_name
+from services.engine.kv_export import dtype_name
+from services.kvtransfer.chunks import check_header_checksum
 from services.kvtransfer.ipc_transport import IpcSender
 from services.kvtransfer.transport import GrpcSender
 from services.prefill.prefill_service import PrefillService
