@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
+from services.engine.models.llama import _BlockLinear
 from services.engine.ops import reference
 from services.engine.ops.build import OPTIONAL_CFLAGS, load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
@@ -106,12 +108,33 @@ def test_the_shipped_gguf_blocks_are_read_as_gguf_reads_them(gguf_tensors: dict[
     assert seen == set(GGUF_FORMATS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_format", FORMATS)
 def test_the_kernel_dequantizes_exactly_as_the_reference(
-    kernels: CpuKernels, weight_format: WeightFormat
+    kernels: CpuKernels, weight_format: WeightFormat, dtype: torch.dtype
 ) -> None:
+    """fp32 bit for bit; bf16 as torch rounds the fp32 values (to nearest, ties to even)."""
     weight = blocks(randn(70, 576, seed=3) * 0.05, weight_format)
-    torch.testing.assert_close(kernels.dequantize(weight), weight.dequantize(), atol=0, rtol=0)
+    expected = weight.dequantize().to(dtype)
+    torch.testing.assert_close(kernels.dequantize(weight, dtype=dtype), expected, atol=0, rtol=0)
+
+
+def test_the_kernel_unpacks_only_to_fp32_or_bf16(kernels: CpuKernels) -> None:
+    weight = blocks(randn(4, 64, seed=3), WeightFormat.Q8_0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.dequantize(weight, torch.empty(4, 64, dtype=torch.float16))
+
+
+def test_a_bf16_unpacking_buffer_multiplies_in_bf16(kernels: CpuKernels) -> None:
+    """The torch path's large steps over blocks with a bf16 buffer (CPUs with bf16 in hardware, int8
+    activations): x rounded to bf16 times the weights rounded to bf16, the bias added in fp32."""
+    x, bias = randn(70, 576, seed=4), randn(37, seed=6)  # [M, K], [N]
+    weight = blocks(randn(37, 576, seed=5) * 0.1, WeightFormat.Q4_1_SPLIT)
+    linear = _BlockLinear(kernels, weight, bias, torch.empty(37 * 576 + 5, dtype=torch.bfloat16))
+    expected = F.linear(x.bfloat16(), weight.dequantize().bfloat16()).float() + bias
+    out = linear(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)

@@ -18,9 +18,9 @@ in `dtype`. Two paths run the same math:
 
 Weights may also come as GGUF blocks (`QuantizedWeight`, Q8_0 or Q4_1: services/engine/gguf_weights.py),
 kept as stored (each row's bytes regrouped at load, quant.split): the C kernels multiply by them directly,
-the torch path unpacks one matrix at a time into a reused fp32 buffer (`_BlockLinear`), and embeddings are
-unpacked per looked-up row. That needs the C kernels and fp32 compute; no copy of the weights in another
-format is kept.
+the torch path unpacks one matrix at a time into a reused fp32 buffer (`_BlockLinear`; bf16 with int8
+activations on a CPU with bf16 in hardware, for oneDNN's bf16 GEMM), and embeddings are unpacked per
+looked-up row. That needs the C kernels and fp32 compute; no copy of the weights in another format is kept.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from services.engine.models.config import ModelConfig
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers, kv_f16
+from services.engine.ops.cpu_features import cpu_flags, has_native_bf16_matmul
 from services.engine.ops.packed_linear import Linear, make_linear
 from services.engine.ops.quant import (
     INT8_ACTIVATIONS,
@@ -119,7 +120,8 @@ def _data(weight: Weight) -> torch.Tensor:
 
 class _BlockLinear:
     """y = x @ w.T (+ bias) for GGUF blocks on the torch path: the matrix unpacked into a buffer shared by
-    every matrix of the model (one unpacks at a time), then MKL's fp32 GEMM."""
+    every matrix of the model (one unpacks at a time), then MKL's fp32 GEMM, or, for a bf16 buffer,
+    oneDNN's bf16 GEMM over x rounded to bf16 (fp32 sums and output)."""
 
     def __init__(
         self, kernels: CpuKernels, weight: QuantizedWeight, bias: torch.Tensor | None, buffer: torch.Tensor
@@ -128,8 +130,12 @@ class _BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_out, k = self.weight.shape
-        unpacked = self.buffer[: num_out * k].view(num_out, k)  # [N, K] fp32
-        return F.linear(x, self.kernels.dequantize(self.weight, unpacked), self.bias)
+        unpacked = self.buffer[: num_out * k].view(num_out, k)  # [N, K] fp32 or bf16
+        w = self.kernels.dequantize(self.weight, unpacked)
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        y = F.linear(x.to(w.dtype), w).to(x.dtype)  # [M, N]
+        return y if self.bias is None else y + self.bias
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,11 @@ class LlamaModel:
         """Makes the torch path's matmuls over GGUF blocks, sharing one unpacking buffer."""
         matrices = [w for layer in self.stored_layers for w in _projections(layer)] + [self.lm_head_stored]
         sizes = [w.shape[0] * w.shape[1] for w in matrices if isinstance(w, QuantizedWeight)]
-        buffer = torch.empty(max(sizes, default=0))  # [largest N * K] fp32
+        # int8 activations already trade exactness for speed; where bf16 math runs in hardware the large
+        # steps then take bf16 GEMMs too (docs/performance.md, "GGUF blocks").
+        bf16 = self.int8_activations and has_native_bf16_matmul(cpu_flags())
+        unpacked = torch.bfloat16 if bf16 else torch.float32
+        buffer = torch.empty(max(sizes, default=0), dtype=unpacked)  # [largest N * K]
 
         def blocks(weight: QuantizedWeight, bias: torch.Tensor | None) -> Linear:
             assert kernels is not None  # _check_blocks_can_run

@@ -60,7 +60,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kr_llama_layers": [_DIMS, _LAYERS, _I, _P, _I, _P, _P, _P, _I, _P, _P, _C],
     "kr_rms_norm": [_P, _I, _P, _P, _I, _I, _I, _F],
     "kr_linear": [_P, _I, _P, _C, _P, _I, _I, _I, _I, _C, _P, _C],
-    "kr_dequantize": [_P, _C, _P, _I, _I, _C],
+    "kr_dequantize": [_P, _C, _P, _I, _I, _C, _C],
     "kr_silu_mul": [_P, _I, _P, _I, _I, _I, _C],
     "kr_rope_write_kv": [_P, _I, _I, _C, _C, _C, _P, _P, _P, _P, _P, _C],
     "kr_paged_attention": [_P, _I, _P, _I, _I, _C, _C, _C, _P, _P, _I, _P, _P, _I, _I, _F, _C, _C],
@@ -180,16 +180,21 @@ class CpuKernels:
             x.shape[0], num_out, k, int(accumulate), xbuf.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
 
-    def dequantize(self, weight: QuantizedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight as fp32 [N, K] (into `out` when given)."""
+    def dequantize(
+        self, weight: QuantizedWeight, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The weight as fp32 or bf16 [N, K] (into `out` when given; bf16 rounded to nearest even)."""
         num_out, k = weight.shape
-        out = torch.empty(num_out, k) if out is None else out  # [N, K]
+        out = torch.empty(num_out, k, dtype=dtype) if out is None else out  # [N, K]
         if out.shape != (num_out, k):
             raise ValueError(f"out {tuple(out.shape)} does not match the weight {(num_out, k)}")
-        _flat(out, torch.float32)
+        if out.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"weights unpack to float32 or bfloat16, not {out.dtype}")
+        _flat(out, out.dtype)
         self._lib.kr_dequantize(
-            weight.data.data_ptr(), int(weight.format), out.data_ptr(), num_out, k, torch.get_num_threads()
-        )
+            weight.data.data_ptr(), int(weight.format), out.data_ptr(), num_out, k,
+            int(out.dtype == torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:

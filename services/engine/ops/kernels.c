@@ -112,8 +112,19 @@ static inline __attribute__((always_inline)) void row_dot(const float *x, int64_
 
 #include "blocks.h"
 
-/* out [N, K] fp32 = the weights of w [N, K] in a block format (the prefill path's per-matrix unpacking). */
-void kr_dequantize(const void *w, int format, float *out, int64_t N, int64_t K, int num_threads) {
+/* 8 fp32 to bf16, rounded to nearest even (torch's .to(bfloat16) for every finite value). */
+static inline __m128i to_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+/* out [N, K] = the weights of w [N, K] in a block format, as fp32, or as bf16 (raw uint16) where out_bf16
+ * (the prefill path's per-matrix unpacking: fp32 GEMM, or bf16 GEMM where bf16 runs in hardware). */
+void kr_dequantize(const void *w, int format, void *out, int64_t N, int64_t K, int out_bf16,
+                   int num_threads) {
     const int64_t num_blocks = K / QK, stride = row_bytes(format, K);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -123,8 +134,14 @@ void kr_dequantize(const void *w, int format, float *out, int64_t N, int64_t K, 
             float d, m;
             block_weights(row, b, num_blocks, format, q, &d, &m);
             const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-            for (int c = 0; c < 4; c++)
-                _mm256_storeu_ps(out + n * K + b * QK + 8 * c, _mm256_fmadd_ps(dv, q[c], mv));
+            const int64_t at = n * K + b * QK;
+            for (int c = 0; c < 4; c++) {
+                const __m256 v = _mm256_fmadd_ps(dv, q[c], mv);
+                if (out_bf16)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)out + at + 8 * c), to_bf16(v));
+                else
+                    _mm256_storeu_ps((float *)out + at + 8 * c, v);
+            }
         }
     }
 }
