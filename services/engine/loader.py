@@ -68,9 +68,11 @@ def choose_weights(
     match the fp32 model's at least as often as the bf16 weights'. On a Zen 2 EPYC (AVX2) prefill is
     about 5% behind instead (353 against 372 tok/s, both in one process: the blocks unpack each matrix
     for the same fp32 GEMM) while batch 1 is 1.75x and batch 32 1.1x, so auto takes the blocks there too
-    (and holds 97 MB of weights where the safetensors hold 807). Where bf16 runs in hardware (AMX),
-    oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x at prefill (1.5x and 2.1x through
-    AVX512-BF16 on a Zen 4 EPYC), so auto keeps the safetensors there, as on a GPU; the blocks' large
+    (and holds 97 MB of weights where the safetensors hold 807). On a Zen 3 EPYC (AVX2), with the one-token
+    products over row pairs: prefill 327 against 318, batch 1 119 against 53, batch 32 206 against 183.
+    Where bf16 runs in hardware (AMX), oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x
+    at prefill (1.5x and 2.1x through AVX512-BF16 on a Zen 4 EPYC), so auto keeps the safetensors there,
+    as on a GPU; the blocks' large
     steps unpack to bf16 there, which brings gguf-int8's prefill to 85% of the safetensors' (773 against
     905 on the Zen 4), while batch 32 stays behind (393 against 507)."""
     if weights in WEIGHT_CHOICES:

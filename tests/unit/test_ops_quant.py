@@ -215,14 +215,20 @@ def test_int8_activations_match_their_reference(
 def test_int8_activations_give_a_token_the_same_bits_alone_and_in_a_batch(
     kernels: CpuKernels, weight_format: WeightFormat
 ) -> None:
+    """A token alone takes the one-token path (rows in pairs, an odd last row alone: 65 rows), and
+    adds onto a residual as the batch would."""
     x = randn(7, 576, seed=16)
-    weight = blocks(randn(64, 576, seed=17) * 0.1, weight_format)
-    batched = torch.empty(7, 64)
+    weight = blocks(randn(65, 576, seed=17) * 0.1, weight_format)
+    batched = torch.empty(7, 65)
     kernels.linear(x, weight, batched, int8_activations=True)
     for m in (0, 6):
-        alone = torch.empty(1, 64)
+        alone = torch.empty(1, 65)
         kernels.linear(x[m : m + 1], weight, alone, int8_activations=True)
         assert torch.equal(alone[0], batched[m])
+        residual = randn(1, 65, seed=m)
+        summed = residual.clone()
+        kernels.linear(x[m : m + 1], weight, summed, accumulate=True, int8_activations=True)
+        assert torch.equal(summed, residual + alone)
 
 
 @pytest.mark.parametrize("stored", GGUF_FORMATS)

@@ -377,6 +377,51 @@ static inline __attribute__((always_inline)) void row_dot_x8_split(const pair_x8
     for (int i = 0; i < MB; i++) out[i] = hsum8(_mm256_add_ps(lo_acc[i], hi_acc[i])) + hsum8(min_acc[i]);
 }
 
+/* row_dot_x8_split for one token and NR (1 or 2) weight rows at once, w0 and w0 + stride: the token's
+ * loads shared and two rows' dependency chains interleaved, each row's lanes summed and reduced in
+ * row_dot_x8_split's order (the same bits). Batch-1 decode's rows of K = 576 are short: one row at a
+ * time its fixed costs and chains left the core idle (docs/performance.md, "GGUF blocks"). AVX2 code;
+ * the AVX512-VNNI build keeps row_dot_x8_split. */
+static inline __attribute__((always_inline)) void rows_dot_x8_split(const pair_x8 *xq, const float *xs,
+                                                                    const char *w0, int64_t stride,
+                                                                    const int NR, int64_t nb, float *out) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 lo_acc[2], hi_acc[2], min_acc[2], dw8[2];
+    for (int r = 0; r < NR; r++) lo_acc[r] = hi_acc[r] = min_acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g += 8) {
+        const int rem = (int)(nb - g < 8 ? nb - g : 8); /* a short last group: as row_dot_x8_split */
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lane));
+        const __m256 xs8 = _mm256_loadu_ps(xs + g);
+        for (int r = 0; r < NR; r++) {
+            const uint16_t *scales = (const uint16_t *)(w0 + r * stride), *mins = scales + nb;
+            dw8[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g)));
+            const __m256 mw8 =
+                _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g))), valid);
+            min_acc[r] = _mm256_fmadd_ps(mw8, xs8, min_acc[r]);
+        }
+        for (int p = 0; p < rem / 2; p++) {
+            const pair_x8 *xp = xq + (g / 2 + p);
+            const __m256i xlo = _mm256_loadu_si256((const __m256i *)xp->qs[0]);
+            const __m256i xhi = _mm256_loadu_si256((const __m256i *)xp->qs[1]);
+            const __m256 dlo = _mm256_loadu_ps(xp->d[0]), dhi = _mm256_loadu_ps(xp->d[1]);
+            const __m256i pick = _mm256_add_epi32(pair_lanes, _mm256_set1_epi32(2 * p));
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *src = (const uint8_t *)(w0 + r * stride) + 4 * nb + 16 * (g + 2 * p);
+                _mm_prefetch((const char *)src + PREFETCH_AHEAD, _MM_HINT_T0);
+                const __m256 dw = _mm256_permutevar8x32_ps(dw8[r], pick);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)src);
+                const __m256i slo = dot4(_mm256_and_si256(v, nibble), xlo);
+                const __m256i shi = dot4(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), xhi);
+                lo_acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dlo), _mm256_cvtepi32_ps(slo), lo_acc[r]);
+                hi_acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dhi), _mm256_cvtepi32_ps(shi), hi_acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = hsum8(_mm256_add_ps(lo_acc[r], hi_acc[r])) + hsum8(min_acc[r]);
+}
+
 /* Dot products of one Q8_0S weight row (nb blocks) with MB tokens of int8 activations (block_x8): per
  * block one 32-byte load; the weights' signs move onto the activations (maddubs multiplies unsigned by
  * signed); eight blocks' scales convert at once. Even and odd blocks sum apart (two dependency chains). */
@@ -443,6 +488,37 @@ static inline __attribute__((always_inline)) void row_dot_x8_split8(const block_
     }
 #endif
     for (int i = 0; i < MB; i++) out[i] = hsum8(_mm256_add_ps(acc[0][i], acc[1][i]));
+}
+
+/* row_dot_x8_split8 for one token and NR (1 or 2) weight rows at once, w0 and w0 + stride, as
+ * rows_dot_x8_split does for Q4_1S: shared loads, interleaved chains, row_dot_x8_split8's bits. */
+static inline __attribute__((always_inline)) void rows_dot_x8_split8(const block_x8 *xq, const char *w0,
+                                                                     int64_t stride, const int NR,
+                                                                     int64_t nb, float *out) {
+    __m256 acc[2][2], dw8[2]; /* [even or odd block][row] */
+    for (int r = 0; r < NR; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g += 8) {
+        const int rem = (int)(nb - g < 8 ? nb - g : 8);
+        for (int r = 0; r < NR; r++) {
+            const uint16_t *scales = (const uint16_t *)(w0 + r * stride);
+            dw8[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g)));
+        }
+        for (int j = 0; j < rem; j++) {
+            const block_x8 *xb = xq + g + j;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->qs);
+            const __m256 xd = _mm256_loadu_ps(xb->d);
+            const __m256i at = _mm256_set1_epi32(j);
+            for (int r = 0; r < NR; r++) {
+                const int8_t *src = (const int8_t *)(w0 + r * stride) + 2 * nb + QK * (g + j);
+                _mm_prefetch((const char *)src + PREFETCH_AHEAD, _MM_HINT_T0);
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)src);
+                const __m256i sums = dot4(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+                const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(dw8[r], at), xd);
+                acc[j & 1][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[j & 1][r]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
 }
 
 #endif /* KVRELAY_BLOCKS_H */

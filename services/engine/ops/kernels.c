@@ -207,6 +207,23 @@ void kr_linear(const float *x, int64_t ldx, const void *w, int format, float *y,
     } else if (format == KR_Q4_1 || format == KR_Q4_1S) {
         block_sums(x, ldx, xbuf, M, K);
     }
+#ifndef KR_VNNI512
+    if (M == 1 && (split_x8 || (int8_blocks && format == KR_Q8_0S))) {
+        /* one token: rows in pairs (blocks.h rows_dot_x8_split*), an odd last row alone */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n = 0; n < N; n += 2) {
+            const char *row = (const char *)w + n * stride;
+            const int nr = n + 1 < N ? 2 : 1;
+            float dots[2];
+            if (split_x8 && nr == 2) rows_dot_x8_split(xp, xs, row, stride, 2, ldxs, dots);
+            else if (split_x8) rows_dot_x8_split(xp, xs, row, stride, 1, ldxs, dots);
+            else if (nr == 2) rows_dot_x8_split8(xq, row, stride, 2, ldxs, dots);
+            else rows_dot_x8_split8(xq, row, stride, 1, ldxs, dots);
+            for (int r = 0; r < nr; r++) y[n + r] = accumulate ? y[n + r] + dots[r] : dots[r];
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const char *row = (const char *)w + n * stride;
