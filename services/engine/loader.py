@@ -72,9 +72,8 @@ def choose_weights(
     products over row pairs: prefill 327 against 318, batch 1 119 against 53, batch 32 206 against 183.
     Where bf16 runs in hardware (AMX), oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x
     at prefill (1.5x and 2.1x through AVX512-BF16 on a Zen 4 EPYC), so auto keeps the safetensors there,
-    as on a GPU; the blocks' large
-    steps unpack to bf16 there, which brings gguf-int8's prefill to 85% of the safetensors' (773 against
-    905 on the Zen 4), while batch 32 stays behind (393 against 507)."""
+    as on a GPU; the blocks' large steps unpack to bf16 there, which brings gguf-int8's prefill to 85% of
+    the safetensors' (773 against 905 on the Zen 4), while batch 32 stays behind (393 against 507)."""
     if weights in WEIGHT_CHOICES:
         return weights
     if weights != "auto":
