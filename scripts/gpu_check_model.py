@@ -88,7 +88,8 @@ def build_engine(hf_model: Any, device: str, dtype: str, **engine: Any) -> Any:
 def greedy(core: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from services.common.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # EOS banned throughout, as transformers' min_new_tokens does (ignore_eos would still sample it)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     for i, prompt in enumerate(prompts):
         core.add_request(f"r{i}", prompt, params)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}

@@ -22,26 +22,29 @@ def write_word_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
 
 
+# The tiny Llama's shape: 2 layers, GQA 4/2, peaked random weights (initializer range 0.2).
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "initializer_range": 0.2,
+}
+
+
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     """A 2-layer Llama with GQA and peaked random weights, saved with a manifest like a prepared dir."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    settings: dict[str, Any] = {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": True,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "initializer_range": 0.2,
-    }
-    settings.update(overrides)
+    settings = _tiny_settings(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
     model.save_pretrained(str(path))
@@ -58,21 +61,7 @@ def _save_tiny(path: Path, model: Any, vocab_size: int) -> Path:
 
 
 def _tiny_settings(overrides: dict[str, Any]) -> dict[str, Any]:
-    settings: dict[str, Any] = {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": True,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "initializer_range": 0.2,
-    }
-    settings.update(overrides)
-    return settings
+    return {**TINY_LLAMA, **overrides}
 
 
 def make_tiny_qwen2(path: Path, seed: int = 0, **overrides: Any) -> Path:

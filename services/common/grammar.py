@@ -27,11 +27,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
-
-import llguidance
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import llguidance
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema or grammar's source text; bodies are capped at 4 MiB anyway
 MAX_CHOICES = 1024
@@ -48,6 +50,23 @@ class GrammarKind(StrEnum):
 
 class GrammarError(InvalidRequestError):
     """A constraint that cannot compile: a 400 naming the request field it came from."""
+
+
+class GrammarUnavailableError(GrammarError):
+    """The grammar engine is not installed in this process: constraints are refused (a 400), and
+    everything else still serves. A GPU image may leave llguidance out."""
+
+
+def grammar_engine() -> ModuleType:
+    """llguidance, imported on first use so that a process without it starts and serves unconstrained
+    requests; GrammarUnavailableError when it is not installed."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise GrammarUnavailableError(
+            f"structured output is not available here: the grammar engine llguidance is not installed ({exc})"
+        ) from None
+    return llguidance
 
 
 @dataclass(frozen=True)
@@ -85,9 +104,10 @@ def grammar_source(spec: GrammarSpec) -> str:
     """The llguidance grammar for `spec`; GrammarError for what is wrong with it before compiling."""
     if len(spec.text) > MAX_SPEC_CHARS:
         raise GrammarError(f"the {spec.kind} is {len(spec.text)} characters; the limit is {MAX_SPEC_CHARS}")
+    engine = grammar_engine()
     options: dict[str, Any] = {"whitespace_flexible": False, "lenient": not spec.strict}
     if spec.kind is GrammarKind.JSON_OBJECT:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)  # type: ignore[arg-type]
+        return str(engine.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))
     if spec.kind is GrammarKind.JSON_SCHEMA:
         try:
             schema = json.loads(spec.text)
@@ -96,14 +116,14 @@ def grammar_source(spec: GrammarSpec) -> str:
         if not isinstance(schema, dict):
             raise GrammarError("a JSON schema must be an object")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+            return str(engine.LLMatcher.grammar_from_json_schema(schema, defaults=options))
         except ValueError as exc:
             raise GrammarError(f"the JSON schema is invalid: {exc}") from None
     if spec.kind is GrammarKind.REGEX:
-        return llguidance.LLMatcher.grammar_from_regex(spec.text)
+        return str(engine.LLMatcher.grammar_from_regex(spec.text))
     if spec.kind is GrammarKind.CHOICE:
-        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec.text))
-    return llguidance.LLMatcher.grammar_from_lark(spec.text)
+        return str(engine.LLMatcher.grammar_from_lark(_choice_lark(spec.text)))
+    return str(engine.LLMatcher.grammar_from_lark(spec.text))
 
 
 def _choice_lark(text: str) -> str:
@@ -126,8 +146,10 @@ class GrammarCompiler:
         self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int | None = None
     ) -> None:
         """`tokenizer_json`: the Hugging Face tokenizer.json text; `vocab_size`: the logits' width when it is
-        wider than the tokenizer's (padded rows), so masks cover it."""
-        self.tokenizer = llguidance.LLTokenizer(
+        wider than the tokenizer's (padded rows), so masks cover it. GrammarUnavailableError without
+        llguidance."""
+        self._engine = grammar_engine()
+        self.tokenizer = self._engine.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
         self._lock = threading.Lock()
@@ -144,7 +166,7 @@ class GrammarCompiler:
                 self._compiled.move_to_end(spec.key)
                 return self._compiled[spec.key]
         grammar = grammar_source(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        is_error, messages = self._engine.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise GrammarError(f"the {spec.kind} does not compile: {_first_line(messages)}")
         if spec.strict and messages:  # an unsupported keyword is a warning when lenient, an error strict
@@ -157,7 +179,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `spec` (one per sample)."""
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0)
+        matcher = self._engine.LLMatcher(self.tokenizer, self.compile(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {spec.kind} does not compile: {_first_line([matcher.get_error()])}")
         return matcher

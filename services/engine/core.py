@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
-from llguidance import LLMatcher
 
 from services.common.block_hash import BlockHasher, root_hash
 from services.common.config import KvrelayConfig
@@ -44,6 +44,9 @@ from services.engine.models.config import ModelConfig
 from services.engine.request import Request, RequestStatus
 from services.engine.runner_protocol import PendingStep, Runner
 from services.engine.scheduler import PendingToken, Scheduler, StepUpdate
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 __all__ = ["EngineCore", "EngineStats", "KVExport", "KVTransferError", "RequestOutput"]
 

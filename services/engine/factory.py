@@ -12,6 +12,7 @@ its tokenizer.json (built on first use, grammar_matchers.py); one over a state d
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +28,13 @@ from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
 from services.engine.device import (
+    CudaMemoryProbe,
+    MemoryReading,
     check_weights_fit,
     default_batched_tokens,
     measure_device_memory,
     plan_device_blocks,
+    read_memory,
     resolve_device,
 )
 from services.engine.grammar_matchers import GrammarMatchers
@@ -104,12 +108,14 @@ def build_core(config: KvrelayConfig) -> EngineCore:
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     device = resolve_device(config.engine.device)
-    free_at_start = 0
+    before_load: MemoryReading | None = None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels, streams and events of this process go to `device`
-        free_at_start, total = torch.cuda.mem_get_info(device)
+        gc.collect()  # engines dropped earlier free their tensors into the allocator's cache now
+        before_load = read_memory(CudaMemoryProbe(device))  # creates the CUDA context first
         weights = stored_weight_bytes(config.model.path, config.model.dtype)
-        check_weights_fit(weights, total, free_at_start, config.engine.gpu_memory_utilization)
+        util = config.engine.gpu_memory_utilization
+        check_weights_fit(weights, before_load.total_bytes, before_load.available_bytes, util)
     engine = config.engine
     model = config.model
     loaded = load_model(
@@ -124,20 +130,20 @@ def build_core(config: KvrelayConfig) -> EngineCore:
     grammars = GrammarMatchers(
         Path(model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size
     )
-    return build_core_from_loaded(loaded, config, free_at_start=free_at_start, grammars=grammars)
+    return build_core_from_loaded(loaded, config, before_load=before_load, grammars=grammars)
 
 
 def build_core_from_loaded(
     loaded: LoadedModel,
     config: KvrelayConfig,
     *,
-    free_at_start: int | None = None,
+    before_load: MemoryReading | None = None,
     grammars: GrammarMatchers | None = None,
 ) -> EngineCore:
     """A core over an already loaded model (a directory's, or a state dict's: loader.load_state_dict), on
-    the device its weights are on. `free_at_start`: the device's free bytes before the weights were placed
-    (unknown for a state dict built elsewhere: then what this process's allocator holds counts).
-    `grammars`: see EngineCore (None refuses grammars)."""
+    the device its weights are on. `before_load`: the device's memory read before the weights were placed
+    (none for a state dict built elsewhere: then the engine is charged `loaded.weight_bytes` for its
+    weights, device.account_engine_memory). `grammars`: see EngineCore (None refuses grammars)."""
     engine = config.engine
     device = loaded.model.device
     batch_size_limit = config.limits.batch_size_limit
@@ -175,12 +181,15 @@ def build_core_from_loaded(
 
     plan_blocks: BlockPlanner | None = None
     if device.type == "cuda":
-        start = torch.cuda.mem_get_info(device)[0] if free_at_start is None else free_at_start
+        probe = CudaMemoryProbe(device)
         budget = default_batched_tokens(device, engine.max_num_batched_tokens)
 
         def plan_blocks(spec: KVCacheSpec, max_model_len: int) -> int:
-            warm_up(loaded.model, spec, min(budget, max_model_len), batch_size_limit, device)
-            memory = measure_device_memory(device, start)
+            def step() -> int:
+                return warm_up(loaded.model, spec, min(budget, max_model_len), batch_size_limit, device)
+
+            gc.collect()  # so no earlier engine's tensors are freed during the warm-up's peak
+            memory = measure_device_memory(probe, step, loaded.weight_bytes, before_load)
             util = engine.gpu_memory_utilization
             graph_bytes = graph_estimate if graphs_on else 0
             return plan_device_blocks(
@@ -234,9 +243,10 @@ def _graphs_on(setting: bool | None, paged: PagedAttention, device: torch.device
 
 def warm_up(
     model: CausalLM, spec: KVCacheSpec, num_tokens: int, num_samples: int, device: torch.device
-) -> None:
+) -> int:
     """One forward of a full step (`num_tokens` prompt tokens, logits for `num_samples` of them) over a
-    scratch cache, so the allocator's peak holds the step's activations before the KV cache is sized."""
+    scratch cache, so the allocator's peak holds the step's activations before the KV cache is sized.
+    Returns the scratch cache's bytes, which that peak also holds but the KV cache replaces."""
     num_blocks = -(-num_tokens // spec.block_size)
     caches = allocate_kv_caches(spec, num_blocks, device)
     meta = build_metadata([], [RowSpec(list(range(num_blocks)), 0, num_tokens)], spec.block_size, device)
@@ -246,3 +256,4 @@ def warm_up(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     del caches
+    return num_blocks * spec.bytes_per_block

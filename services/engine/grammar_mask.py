@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from llguidance.torch import fill_next_token_bitmask
 
 from services.engine.attention import to_device
 from services.engine.request import Request
@@ -38,6 +37,8 @@ class GrammarMask:
         matchers = [(i, r.matcher) for i, r in enumerate(requests) if r.matcher is not None]
         if not matchers:
             return None
+        from llguidance.torch import fill_next_token_bitmask  # only a process with matchers has it
+
         row_ids = [i for i, _ in matchers]
         host = self._buffer(len(row_ids))
         words = host.numpy().view(np.uint32)  # [capacity, num_words], the same memory

@@ -6,7 +6,8 @@ never sees a grammar (tests, benchmarks, `kvrelay generate`) never pays it, and 
 serves (`prepare`), not on its first grammar request. Its vocabulary is the logits' width (the model's
 `vocab_size`), so rows past the tokenizer's last token are never allowed, and its end-of-sequence tokens
 are the engine's. A model the compiler cannot be built for (no tokenizer.json, a tokenizer llguidance does
-not read) still serves; its grammar requests are refused with a GrammarError (a 400).
+not read) still serves; its grammar requests are refused with a GrammarError (a 400). So does a process
+without llguidance installed (a GPU image may lack it): nothing here imports it until a grammar is needed.
 
 A matcher follows one sample's output tokens: `Request.append_token` / `resolve_token` feed it each sampled
 token once, the runner reads the next allowed tokens from it (grammar_mask.py), and `Request.check_stop`
@@ -18,10 +19,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import llguidance
+from services.common.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarUnavailableError
 
-from services.common.grammar import GrammarCompiler, GrammarError, GrammarSpec
+if TYPE_CHECKING:
+    import llguidance
 
 
 class GrammarMatchers:
@@ -59,6 +62,6 @@ class GrammarMatchers:
                 try:
                     text = self.tokenizer_path.read_text(encoding="utf-8")
                     self._compiler = GrammarCompiler(text, self.eos_token_ids, self.vocab_size)
-                except (OSError, ValueError, RuntimeError) as exc:
+                except (GrammarUnavailableError, OSError, ValueError, RuntimeError) as exc:
                     self._unavailable = f"{type(exc).__name__}: {exc}"
             return self._compiler

@@ -1,13 +1,18 @@
-"""scripts/gpu_check.py on the CPU: its help, and a dry run of its stages on the tiny shape, so the script a
-GPU machine runs is known to start, build models from state dicts and write its JSON. The dry run runs once
-for the module; the stages that start other processes (9 ipc, 10 nccl) really do, over shared memory and
-gloo."""
+"""scripts/gpu_check.py on the CPU: its help, and a dry run of every stage on the tiny shape, so the script a
+GPU machine runs is known to start, build models from state dicts and write its results. The dry run runs
+once for the module, as the device would run it: every module whose package is neither on the device's
+image (scripts/gpu_device_packages.txt) nor in the committed wheel plan (scripts/gpu_check_wheels.json)
+is blocked from import (tests/import_blocker), in the check and in the children of stages 9 and 10, and
+the run is traced so that a stale plan fails here. The stages that start other processes (9 ipc, 10 nccl)
+really do, over shared memory and gloo."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,9 +20,13 @@ import pytest
 
 from tests.stack_helpers import REPO_ROOT
 
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import gpu_check_wheels
+
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.py"
-STAGES = ["0_smoke", "1_copy", "3_cosine", "4_speed", "5_baseline", "6_kernels", "7_attention", "8_graphs",
-          "9_ipc", "10_nccl", "11_cancel"]  # fmt: skip
+BLOCKER = REPO_ROOT / "tests" / "import_blocker"
+STAGES = ["0_smoke", "1_copy", "2_identity", "4_speed", "6_kernels", "7_attention", "8_graphs", "3_cosine",
+          "11_cancel", "9_ipc", "10_nccl", "5_baseline"]  # fmt: skip
 
 
 class DryRun(NamedTuple):
@@ -25,20 +34,24 @@ class DryRun(NamedTuple):
     summary: dict[str, Any]
     returncode: int
     stderr: str
+    blocked: list[str]
+    traced: dict[str, str]
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
     out = tmp_path_factory.mktemp("gpu-check")
-    numbers = ",".join(stage.split("_")[0] for stage in STAGES)
-    argv = [
-        sys.executable, str(SCRIPT), "--device", "cpu", "--stages", numbers, "--check-shape", "tiny",
-        "--shapes", "tiny", "--copy-mib", "8", "--ipc-mib", "4", "--decode-steps", "4",
-        "--attentions", "auto", "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    blocked = gpu_check_wheels.blocked_modules(set(gpu_check_wheels.read_plan()))
+    trace = out / "imports.jsonl"
+    env = {
+        **os.environ, "PYTHONPATH": str(BLOCKER), gpu_check_wheels.BLOCK_ENV: ",".join(blocked),
+        gpu_check_wheels.TRACE_ENV: str(trace),
+    }  # fmt: skip
+    argv = gpu_check_wheels.dry_run_argv(out)  # every stage, in the default order
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
     summary = json.loads((out / "summary.json").read_text())
-    return DryRun(out, summary, done.returncode, done.stderr[-2000:])
+    traced = gpu_check_wheels.distributions(gpu_check_wheels.traced_files(trace))
+    return DryRun(out, summary, done.returncode, done.stderr[-2000:], blocked, traced)
 
 
 def test_help_lists_the_stages() -> None:
@@ -48,13 +61,39 @@ def test_help_lists_the_stages() -> None:
     assert "--ipc-mib" in done.stdout
 
 
-def test_a_dry_run_on_the_cpu_writes_every_stage(dry_run: DryRun) -> None:
+def test_the_optional_packages_are_blocked_in_the_dry_run(dry_run: DryRun) -> None:
+    assert {"llguidance", "gguf", "opentelemetry", "fastapi"} <= set(dry_run.blocked)
+    assert not {"torch", "transformers", "pydantic", "grpc", "google"} & set(dry_run.blocked)
+    env = {**os.environ, "PYTHONPATH": str(BLOCKER), gpu_check_wheels.BLOCK_ENV: "llguidance"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import llguidance"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode != 0 and "blocked" in done.stderr
+
+
+def test_the_committed_wheel_plan_is_what_the_dry_run_imports(dry_run: DryRun) -> None:
+    plan = gpu_check_wheels.read_plan()
+    assert gpu_check_wheels.wheels_to_carry(dry_run.traced) == plan, "run scripts/gpu_check_wheels.py --write"
+    assert not set(gpu_check_wheels.OPTIONAL) & set(plan)
+    assert {"protobuf", "grpcio", "pydantic", "pydantic-core"} <= set(plan)  # the generated code, the config
+
+
+def test_a_dry_run_on_the_cpu_runs_every_stage_without_the_missing_packages(dry_run: DryRun) -> None:
     summary = dry_run.summary
     assert dry_run.returncode == 0, (summary, dry_run.stderr)
-    assert set(summary) == set(STAGES)
-    assert all((dry_run.out / f"stage{stage}.json").exists() for stage in STAGES)
+    assert list(summary) == STAGES  # the default order, most value first
+    returned = sorted(p.name for p in dry_run.out.iterdir() if p.is_file())
+    assert returned == ["gpu_check.tar.gz", "imports.jsonl", "probe.json", "summary.json"]
+    with tarfile.open(dry_run.out / "gpu_check.tar.gz") as tar:
+        bundled = {Path(name).name for name in tar.getnames()}
+    assert {f"stage{stage}.json" for stage in STAGES} | {"probe.json", "summary.json"} <= bundled
+    probe = json.loads((dry_run.out / "probe.json").read_text())
+    assert probe["versions"]["torch"] and probe["optional_importable"]["llguidance"] is False  # blocked
+    assert probe["imports_worker_pb2_grpc"] is True and probe["generated_code_needs"]["protobuf"]
+    identity = summary["2_identity"]
+    assert identity["ok"] and all(identity["identical"]) and identity["overlap_matches_plain"]
     assert summary["8_graphs"]["bucket"] == 8 and summary["8_graphs"]["bit_identical"]
-    smoke = json.loads((dry_run.out / "stage0_smoke.json").read_text())
+    smoke = json.loads((dry_run.out / "work" / "stage0_smoke.json").read_text())
     assert smoke["ok"] and smoke["device"] == "cpu" and smoke["tokens"] == smoke["transformers_tokens"]
     assert min(summary["3_cosine"]["cosines"]) >= 0.999
     speed = summary["4_speed"]

@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import CorruptModelError, ModelLoadError, ModelNotFoundError
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
+from services.engine.models.rope_config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    RopeScaling,
+    layer_rope,
+)
 
 
 @dataclass(frozen=True)
@@ -32,10 +35,14 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Per layer: the sliding window (None: full attention) and the RoPE base. Empty: full attention and
-    # `rope_theta` everywhere. Gemma 3 interleaves local layers (window, local base) with global ones.
+    # How full-attention layers stretch RoPE (None: plain RoPE); models/rope_config.py reads it.
+    rope_scaling: RopeScaling | None = None
+    # Per layer: the sliding window (None: full attention), the RoPE base and scaling. Empty: full attention,
+    # `rope_theta` and `rope_scaling` everywhere. Gemma 3 interleaves local layers (window, local base,
+    # no scaling) with global ones (full context, global base, linear scaling on the larger checkpoints).
     layer_windows: tuple[int | None, ...] = ()
     layer_rope_thetas: tuple[float, ...] = ()
+    layer_rope_scalings: tuple[RopeScaling | None, ...] = ()
     raw: dict[str, Any] | None = None
 
     def window(self, layer: int) -> int | None:
@@ -43,6 +50,9 @@ class ModelConfig:
 
     def layer_rope_theta(self, layer: int) -> float:
         return self.layer_rope_thetas[layer] if self.layer_rope_thetas else self.rope_theta
+
+    def layer_rope_scaling(self, layer: int) -> RopeScaling | None:
+        return self.layer_rope_scalings[layer] if self.layer_rope_scalings else self.rope_scaling
 
     @property
     def has_sliding_windows(self) -> bool:
@@ -87,6 +97,7 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             num_layers = int(raw["num_hidden_layers"])
             layer_types = _layer_types(raw, num_layers)
+            ropes = {t: layer_rope(raw, t) for t in (FULL_ATTENTION, *layer_types)}  # (base, scaling)
             window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
             return cls(
                 architecture=str(architectures[0]),
@@ -98,7 +109,7 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=int(raw.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(raw, FULL_ATTENTION),
+                rope_theta=ropes[FULL_ATTENTION][0],
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
@@ -108,7 +119,9 @@ class ModelConfig:
                 layer_windows=tuple(
                     int(window) if t == SLIDING_ATTENTION and window else None for t in layer_types
                 ),
-                layer_rope_thetas=tuple(_rope_theta(raw, t) for t in layer_types),
+                rope_scaling=ropes[FULL_ATTENTION][1],
+                layer_rope_thetas=tuple(ropes[t][0] for t in layer_types),
+                layer_rope_scalings=tuple(ropes[t][1] for t in layer_types),
                 raw=raw,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -132,22 +145,6 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
         known = f"{FULL_ATTENTION}/{SLIDING_ATTENTION}"
         raise ModelLoadError(f"layer_types {types!r} is not {num_layers} of {known}")
     return [str(t) for t in types]
-
-
-def _rope_theta(raw: dict[str, Any], layer_type: str) -> float:
-    """The RoPE base of one kind of layer; `rope_parameters` may hold one entry per layer type."""
-    params = raw.get("rope_parameters") or {}
-    if isinstance(params.get(layer_type), dict):
-        params = params[layer_type]
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported yet")
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    if layer_type == SLIDING_ATTENTION and "rope_local_base_freq" in raw:  # older Gemma 3 configs
-        return float(raw["rope_local_base_freq"])
-    return float(raw.get("rope_theta", 10000.0))
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ What differs from Llama (models/llama.py), all following the Hugging Face refere
   query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
 - The MLP is gated GELU (tanh approximation) instead of SiLU.
 - Layers are local (a sliding window over the last `sliding_window` keys, RoPE base 10k) or global
-  (full context, RoPE base 1M), interleaved as `layer_types` says (5 local, 1 global for 270M).
+  (full context, RoPE base 1M, with `rope_scaling` linear factor 8 on the larger checkpoints),
+  interleaved as `layer_types` says (5 local, 1 global for 270M).
 - `final_logit_softcapping`, when set, squashes logits with cap * tanh(logits / cap). Attention logit
   softcapping (Gemma 2) is refused: SDPA and the C kernel have no hook for it.
 
@@ -42,7 +43,7 @@ from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.packed_linear import Linear, make_linear
-from services.engine.rope import cos_sin_at, inverse_frequencies, rotate
+from services.engine.rope import attention_factor, cos_sin_at, inverse_frequencies, rotate
 
 # Logits of at most this many rows go through the C kernel's matmul, which reads the stored (bf16 or
 # fp32) lm_head directly: the 262k-row lm_head is the biggest read of a Gemma decode step.
@@ -136,10 +137,14 @@ class Gemma3Model:
         self.device = embed.device
         embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)  # rounded as the reference does
         self.embed_scale = embed_scale.to(self.device)
-        thetas = sorted({config.layer_rope_theta(i) for i in range(config.num_layers)})
+        # Each layer's RoPE (base, scaling): local and global layers differ in both on the larger checkpoints.
+        self.layer_ropes = [
+            (config.layer_rope_theta(i), config.layer_rope_scaling(i)) for i in range(config.num_layers)
+        ]
         self.inv_freqs = {
-            theta: inverse_frequencies(config.head_dim, theta).to(self.device) for theta in thetas
-        }
+            rope: inverse_frequencies(config.head_dim, *rope).to(self.device)
+            for rope in set(self.layer_ropes)
+        }  # [head_dim / 2] per (base, scaling)
 
         on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
         kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
@@ -197,11 +202,13 @@ class Gemma3Model:
     ) -> torch.Tensor:
         """token_ids: [num_tokens]; returns float32 logits [len(logits_indices), vocab]."""
         h = F.embedding(token_ids, self.embed_tokens).to(self.dtype) * self.embed_scale  # [tokens, hidden]
-        cos_sin = {theta: cos_sin_at(meta.positions, f, self.dtype) for theta, f in self.inv_freqs.items()}
+        cos_sin = {
+            rope: cos_sin_at(meta.positions, inv_freq, self.dtype, attention_factor(rope[1]))
+            for rope, inv_freq in self.inv_freqs.items()
+        }
         decode_attention = kernel_decode_attention(self.attention_kernels, meta, self.scale)
         for i, cache in enumerate(kv_caches):
-            theta = self.config.layer_rope_theta(i)
-            h = self._layer(i, h, cache, meta, cos_sin[theta], decode_attention)
+            h = self._layer(i, h, cache, meta, cos_sin[self.layer_ropes[i]], decode_attention)
         x = self._rms_norm(h[logits_indices], self.norm)  # [num_samples, hidden]
         kernels = self.logits_kernels
         if kernels is not None and x.shape[0] <= SMALL_LOGITS_ROWS:

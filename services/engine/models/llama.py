@@ -1,4 +1,4 @@
-"""The Llama family (SmolLM2, Llama 2/3 without RoPE scaling), written over the paged KV cache.
+"""The Llama family (SmolLM2, Llama 2, Llama 3.x with its RoPE scaling), written over the paged KV cache.
 
 Reads top to bottom: weights, one decoder layer in torch, the two forward paths. Q/K/V and gate/up
 projections are fused into one matmul each at load time; the math is the Hugging Face reference's.
@@ -215,7 +215,11 @@ class LlamaModel:
         self.lm_head = _to(self.lm_head_stored, dtype)  # [vocab, hidden]
         self.layers = [layer.to(dtype) for layer in self.stored_layers]
         self.rope = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, self.device
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            self.device,
+            config.rope_scaling,
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
