@@ -146,12 +146,11 @@ def build_metadata(
     token_rows: list[int] = []
     tables: list[list[int]] = []
     max_blocks = max(-(-r.context_len // block_size) for r in rows)
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows):  # per row and per block, never per token
         table = _table(row.block_ids, max_blocks)
         tables.append(table)
-        for p in range(row.start_position, row.context_len):
-            positions.append(p)
-            slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+        positions.extend(range(row.start_position, row.context_len))
+        slot_mapping.extend(slots_of(table, row.start_position, row.context_len, block_size))
         token_rows.extend([i] * row.num_new_tokens)
     return AttentionMetadata(
         decode_rows=decode_rows,
@@ -166,13 +165,30 @@ def build_metadata(
     )
 
 
-def to_device(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of `values` on `device`: through pinned host memory, so the copy to a GPU is
-    queued without waiting (the step's one wait is for its sampled tokens)."""
-    host = torch.tensor(values, dtype=torch.long)
+def to_device(
+    values: Sequence[float] | Sequence[Sequence[int]],
+    device: torch.device | str,
+    dtype: torch.dtype = torch.long,
+) -> torch.Tensor:
+    """A tensor of `values` (int64 unless `dtype` says otherwise) on `device`, built on the host and copied
+    through pinned memory, so the copy to a GPU is queued without waiting (the step's one wait is for its
+    sampled tokens). Never `torch.tensor(values, device=gpu)`: that copy blocks the host on the stream."""
+    host = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def slots_of(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots of positions start..end-1 (block_ids[p // block_size] * block_size + p % block_size),
+    built one block's run at a time."""
+    slots: list[int] = []
+    for b in range(start // block_size, -(-end // block_size)):
+        first, last = max(start, b * block_size), min(end, (b + 1) * block_size)
+        shift = (block_ids[b] - b) * block_size
+        slots.extend(range(first + shift, last + shift))
+    return slots
 
 
 def _table(block_ids: Sequence[int], num_blocks: int) -> list[int]:

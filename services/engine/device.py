@@ -26,6 +26,10 @@ MAX_SHARED_UTILIZATION = 0.95
 # A step's token budget when `engine.max_num_batched_tokens` is unset: a 256-token chunk is about a
 # second of prefill on a 2-core CPU (under limits.step_timeout_ms); a GPU wants large chunks to fill it.
 DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
+# Sequences in one step when `limits.batch_size_limit` is unset: 32 keeps a 2-core CPU's step under a
+# second; a GPU's decode step costs about the same from 1 to a few hundred rows (it reads the weights
+# once), so it takes 256, as vLLM's max_num_seqs does.
+DEFAULT_BATCH_SIZE_LIMIT = {"cpu": 32, "cuda": 256}
 _SETTING = re.compile(r"^(auto|cpu|cuda(:(\d+))?)$")
 GIB = 2**30
 MIB = 2**20
@@ -64,6 +68,10 @@ def cuda_compute_dtype(bf16_supported: bool) -> torch.dtype:
 
 def default_batched_tokens(device: torch.device, configured: int | None) -> int:
     return configured if configured is not None else DEFAULT_BATCHED_TOKENS[device.type]
+
+
+def default_batch_size_limit(device: torch.device, configured: int | None) -> int:
+    return configured if configured is not None else DEFAULT_BATCH_SIZE_LIMIT[device.type]
 
 
 def check_shared_device(shares: Mapping[str, float], device: str = "the GPU") -> None:

@@ -31,6 +31,7 @@ from services.engine.device import (
     CudaMemoryProbe,
     MemoryReading,
     check_weights_fit,
+    default_batch_size_limit,
     default_batched_tokens,
     measure_device_memory,
     plan_device_blocks,
@@ -146,7 +147,7 @@ def build_core_from_loaded(
     weights, device.account_engine_memory). `grammars`: see EngineCore (None refuses grammars)."""
     engine = config.engine
     device = loaded.model.device
-    batch_size_limit = config.limits.batch_size_limit
+    batch_size_limit = default_batch_size_limit(device, config.limits.batch_size_limit)
     named = KV_CACHE_DTYPES.get(engine.kv_cache_dtype)  # None: auto, whatever the load resolved
     if named is not None and named != loaded.model.kv_dtype:
         raise ConfigError(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.outputs import TokenLogprob
-from services.engine.attention import RowSpec, build_metadata, to_device
+from services.engine.attention import RowSpec, build_metadata, slots_of, to_device
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.grammar_mask import GrammarMask
 from services.engine.models.registry import CausalLM
@@ -169,8 +169,7 @@ class ModelRunner:
             cache.index_copy_(0, slots, layer_kv)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        return to_device([block_ids[p // bs] * bs + p % bs for p in range(start, end)], self.device)
+        return to_device(slots_of(block_ids, start, end, self.block_size), self.device)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
         banned = [_banned(r) for r in requests]

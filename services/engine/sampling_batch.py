@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from services.common.sampling import SamplingParams
+from services.engine.attention import to_device
 from services.engine.counter_rng import splitmix64
 
 
@@ -140,11 +141,11 @@ class SamplingBatch:
 
 
 def _int64s(values: list[int], device: torch.device | str) -> Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)  # [len(values)]
+    return to_device(values, device)  # [len(values)], queued without a host wait
 
 
 def _float32s(values: list[float], device: torch.device | str) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)  # [len(values)]
+    return to_device(values, device, torch.float32)  # [len(values)], queued without a host wait
 
 
 def _build_seeds(sampled_rows: Sequence[SamplingRow], device: torch.device | str) -> SeedTensors | None:

@@ -17,6 +17,7 @@ from services.engine.device import (
     check_shared_device,
     check_weights_fit,
     cuda_compute_dtype,
+    default_batch_size_limit,
     default_batched_tokens,
     plan_device_blocks,
     resolve_device,
@@ -102,6 +103,9 @@ def test_dtype_and_step_budget_follow_the_device() -> None:
     assert default_batched_tokens(torch.device("cpu"), None) == 256
     assert default_batched_tokens(torch.device("cuda", 0), None) == 2048
     assert default_batched_tokens(torch.device("cuda", 0), 512) == 512
+    assert default_batch_size_limit(torch.device("cpu"), None) == 32
+    assert default_batch_size_limit(torch.device("cuda", 0), None) == 256  # gpu_check's batch 64 is 64
+    assert default_batch_size_limit(torch.device("cuda", 0), 8) == 8
 
 
 def test_weights_larger_than_the_share_or_the_free_memory_are_refused_before_loading() -> None:
