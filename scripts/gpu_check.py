@@ -118,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attentions", default="triton,torch", help="engine.attention values stage 4 compares")
     p.add_argument("--shapes", default="llama-1b,llama-8b", help="shapes for stages 4 and 5")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per batch size")
+    p.add_argument("--identity-tokens", type=int, default=64, help="greedy tokens stage 2 compares")
     p.add_argument("--check-shape", default="llama-1b", help="shape of stages 2 and 3 (tiny: a CPU dry run)")
     p.add_argument("--copy-mib", type=int, default=1024, help="bytes copied by stage 1, in MiB")
     p.add_argument("--ipc-mib", type=int, default=256, help="bytes stage 9 moves between processes, in MiB")

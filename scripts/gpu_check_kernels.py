@@ -49,11 +49,16 @@ def kernel_step(rows: list[tuple[int, int]], kv_heads: int, ratio: int, head_dim
 
 
 def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """Per case, the bf16 kernels' max abs error (<= 2e-2, beside torch-native's on the same inputs), and
+    the fp32 kernels' error on the same values in units of one key (self_check.one_key_ratio, <=
+    ONE_KEY_LIMIT): 2e-2 absolute cannot see a mask that drops or adds one key of 4096 (it moves the
+    output by ~1/4096 of a value); one_key_ratio reads it as 2-5, exact masks as ~3e-5."""
     import torch
 
     from services.engine.attention import paged_attention, reference_attention
     from services.engine.ops.triton.dispatch import KernelSpec
     from services.engine.ops.triton.launch import TritonAttention
+    from services.engine.ops.triton.self_check import ONE_KEY_LIMIT, one_key_ratio
 
     shrink = 32 if args.check_shape == "tiny" else 1
     results: dict[str, Any] = {}
@@ -61,19 +66,26 @@ def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
         rows = [(max(1, c // shrink), max(1, n // shrink) if n > 1 else n) for c, n in rows]
         meta, cache, q, k, v, flat = kernel_step(rows, kv_heads, ratio, head_dim, block_size, args.device,
                                                  torch.bfloat16)  # fmt: skip
-        attention = TritonAttention(
-            KernelSpec(torch.bfloat16, head_dim, block_size), kv_heads * ratio, kv_heads
-        )
+        spec = KernelSpec(torch.bfloat16, head_dim, block_size)
+        attention = TritonAttention(spec, kv_heads * ratio, kv_heads)
         got = attention.attend(q, k, v, cache, meta, window=window)
         native = paged_attention(q, k, v, cache, meta, window=window)
         want = reference_attention(q, cache, flat, block_size, window=window).double()
+        error, native_error = (float((t.double() - want).abs().max()) for t in (got, native))
+        exact = TritonAttention(KernelSpec(torch.float32, head_dim, block_size), kv_heads * ratio, kv_heads)
+        q32, k32, v32, cache32 = (t.float() for t in (q, k, v, cache))  # the same values
+        got32 = exact.attend(q32, k32, v32, cache32, meta, window=window)
         results[name] = {
-            "max_abs_error": float((got.double() - want).abs().max()),
-            "torch_native_max_abs_error": float((native.double() - want).abs().max()),
+            "max_abs_error": error,
+            "torch_native_max_abs_error": native_error,
+            "error_over_torch_native": error / max(native_error, 1e-12),
+            "fp32_one_key_ratio": one_key_ratio(got32, q32, cache32, flat, block_size, window=window),
             "split_kv": attention._layout(meta).split_decode,
         }
-    ok = all(r["max_abs_error"] <= 2e-2 for r in results.values())
-    return {"ok": ok, "threshold": 2e-2, **results}
+    ok = all(
+        r["max_abs_error"] <= 2e-2 and r["fp32_one_key_ratio"] <= ONE_KEY_LIMIT for r in results.values()
+    )
+    return {"ok": ok, "threshold": 2e-2, "one_key_limit": ONE_KEY_LIMIT, **results}
 
 
 def stage_attention(args: argparse.Namespace) -> dict[str, Any]:

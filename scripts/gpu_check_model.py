@@ -159,14 +159,15 @@ def stage_identity(args: argparse.Namespace) -> dict[str, Any]:
     hf = build_hf(shape, args.device, torch.float32, **overrides)
     core = build_engine(hf, args.device, "float32", gpu_memory_utilization=0.3)
     prompts = random_prompts(4, 48, SHAPES[shape]["vocab_size"], 1)
-    tokens = greedy(core, prompts, 64)
+    num_tokens = args.identity_tokens
+    tokens = greedy(core, prompts, num_tokens)
     expected = []
     with torch.no_grad():
         for prompt in prompts:
             out = hf.generate(
                 torch.tensor([prompt], device=args.device),
-                max_new_tokens=64,
-                min_new_tokens=64,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
                 do_sample=False,
             )
             expected.append(out[0, len(prompt) :].tolist())
@@ -174,13 +175,12 @@ def stage_identity(args: argparse.Namespace) -> dict[str, Any]:
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                   for a, b in zip(tokens, expected, strict=True)]  # fmt: skip
     # The engine above overlaps steps (the GPU default): the plain loop must give the same tokens.
-    plain = greedy(
-        build_engine(hf, args.device, "float32", gpu_memory_utilization=0.3, overlap=False), prompts, 64
-    )
+    plain_core = build_engine(hf, args.device, "float32", gpu_memory_utilization=0.3, overlap=False)
+    plain = greedy(plain_core, prompts, num_tokens)
     return {
         "ok": all(same) and plain == tokens, "identical": same, "first_difference": first_diff,
-        "num_tokens": 64, "attention": type(core.runner.model.paged).__name__, "overlap": core.overlap,
-        "overlap_matches_plain": plain == tokens,
+        "num_tokens": num_tokens, "attention": type(core.runner.model.paged).__name__,
+        "overlap": core.overlap, "overlap_matches_plain": plain == tokens,
     }  # fmt: skip
 
 

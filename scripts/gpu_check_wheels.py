@@ -95,8 +95,8 @@ def dry_run_argv(out: Path) -> list[str]:
     """gpu_check on the CPU over the tiny shape, every stage: what CI runs and what the trace follows."""
     return [
         sys.executable, str(SCRIPTS_DIR / "gpu_check.py"), "--device", "cpu", "--check-shape", "tiny",
-        "--shapes", "tiny", "--copy-mib", "8", "--ipc-mib", "4", "--decode-steps", "4",
-        "--attentions", "auto", "--out", str(out), "--work", str(out / "work"),
+        "--shapes", "tiny", "--identity-tokens", "24", "--copy-mib", "8", "--ipc-mib", "4",
+        "--decode-steps", "4", "--attentions", "auto", "--out", str(out), "--work", str(out / "work"),
     ]  # fmt: skip
 
 

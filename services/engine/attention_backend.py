@@ -9,7 +9,8 @@
   dispatch table has no entry for is refused at load.
 - `auto`: on a CPU, the C kernels where they fit (ops/kernels.c) and torch-native attention otherwise;
   on a GPU, Triton when it is installed, every layer has an entry and the kernels pass a self-check at
-  load (one small step against the float64 reference, launch.self_check), else torch-native (logged).
+  load (a small mixed step and a split-KV decode step against the float64 reference, ops/triton/
+  self_check.py), else torch-native (logged).
 
 A process defines the kernels once, compiled or interpreted: a later model wanting the other kind is
 refused with the reason, never silently run the wrong way.
@@ -117,7 +118,8 @@ def choose_attention(
 def checked_or_torch(backend: PagedAttention, config: ModelConfig, device: torch.device) -> PagedAttention:
     """The Triton backend if its kernels agree with the reference on this device, else torch-native
     (logged with the reason): `auto` is never worse than torch-native."""
-    from services.engine.ops.triton.launch import TritonAttention, self_check
+    from services.engine.ops.triton.launch import TritonAttention
+    from services.engine.ops.triton.self_check import self_check
 
     assert isinstance(backend, TritonAttention)
     windows = [None, *sorted({w for w in config.layer_windows if w is not None})[:1]]

@@ -216,7 +216,7 @@ def _captured(graphs: DecodeGraphs, planned_bytes: int, *, required: bool) -> De
     more than the KV plan set aside for them are logged: that is the headroom they ate into."""
     try:
         graphs.capture()
-    except (RuntimeError, torch.OutOfMemoryError) as exc:
+    except _capture_errors() as exc:
         if required:
             raise
         log.warning(
@@ -229,6 +229,18 @@ def _captured(graphs: DecodeGraphs, planned_bytes: int, *, required: bool) -> De
             extra={"graph_bytes": graphs.graph_bytes, "planned_bytes": planned_bytes},
         )
     return graphs
+
+
+def _capture_errors() -> tuple[type[Exception], ...]:
+    """What a failed capture raises: CUDA errors and out-of-memory (RuntimeError), and, with Triton
+    installed, Triton's own errors, none of them a RuntimeError: a kernel that does not compile for this
+    GPU (CompilationError) or does not fit it (OutOfResources, PTXASError), first met in the warm-up."""
+    errors: tuple[type[Exception], ...] = (RuntimeError, torch.OutOfMemoryError)
+    try:
+        from triton.errors import TritonError
+    except ImportError:  # no Triton: no Triton kernels to fail
+        return errors
+    return (*errors, TritonError)
 
 
 def _graphs_on(setting: bool | None, paged: PagedAttention, device: torch.device) -> bool:

@@ -11,11 +11,18 @@ A catches any single changed word, B also catches words swapped or shifted. Ever
 arithmetic that never overflows int64 (rows of ROW_WORDS words; per-row sums reduced mod P before they
 are combined), so CPU and GPU give the same value whatever order the reduction runs in. `reference` is
 the slow twin in plain Python integers, and tests check that the two agree.
+
+`kv_checksum` is the transports' rule for which of the two a chunk gets (`ChecksumKind`): this one where
+the bytes are on a GPU, zlib's CRC-32 where they are in host memory (several times faster there).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
+
+from services.kvtransfer.chunks import checksum
 
 PRIME = 2**31 - 1
 ROW_WORDS = 1024  # per-row sums stay below 2**52
@@ -41,6 +48,25 @@ def device_checksum(flat: torch.Tensor) -> int:
         total_b = (total_b + row_b.sum() + ((offset * row_a) % PRIME).sum()) % PRIME
     pair = torch.stack([total_a, total_b]).tolist()  # the one read-back
     return (int(pair[0]) << 32) | int(pair[1])
+
+
+class ChecksumKind(StrEnum):
+    CRC32 = "crc32"  # zlib's, over host bytes
+    DEVICE = "device"  # this module's, computed on the bytes' own device
+
+
+def checksum_kind(device: torch.device) -> ChecksumKind:
+    """The checksum for KV bytes on `device`: DEVICE on a GPU (no host copy), CRC32 in host memory."""
+    return ChecksumKind.DEVICE if device.type == "cuda" else ChecksumKind.CRC32
+
+
+def kv_checksum(flat: torch.Tensor, kind: ChecksumKind | None = None) -> int:
+    """`kind`'s checksum of flat uint8 KV bytes (None: `checksum_kind` of their device). CRC32 of bytes on
+    a GPU needs a host copy of them (only for a peer that sends CRC32 from a GPU)."""
+    if (kind or checksum_kind(flat.device)) == ChecksumKind.DEVICE:
+        return device_checksum(flat)
+    host = flat if flat.device.type == "cpu" else flat.cpu()
+    return checksum(host.numpy().data)
 
 
 def _words(flat: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,10 @@ D still cannot open raises `IpcUnavailable`: D then pulls the KV again over grpc
 Integrity. `KVChunk.device_checksum` covers the chunk's bytes in wire order ([num_layers, num_tokens, 2,
 kv_heads, head_dim]), computed by P where the KV lives and again by D on the bytes it copied; a mismatch
 raises `KVTransferFault` (D recomputes). On a GPU it is device_checksum.py's Fletcher pair (no host copy);
-in host memory it is zlib's CRC-32, which runs there several times faster than those int64 passes. Trust:
+in host memory it is zlib's CRC-32, which runs there several times faster than those int64 passes. Both
+sides compute it on a worker thread (`_wire_checksum`), never on the event loop: it reads every byte of
+the chunk, and on a GPU its read-back waits for the device, while the loop serves every other request of
+the worker. Chunks are still checksummed one at a time, in order, so the messages are the same. Trust:
 like the torch transport, this assumes the replicas trust each other (internal token, one pod or node).
 """
 
@@ -44,15 +47,16 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from services.engine.kv_export import KVExport
-from services.kvtransfer.chunks import TARGET_CHUNK_BYTES, KVTransferFault, Layout, checksum, split
-from services.kvtransfer.device_checksum import device_checksum
+from services.kvtransfer.chunks import TARGET_CHUNK_BYTES, KVTransferFault, Layout, split
+from services.kvtransfer.device_checksum import kv_checksum
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 log = logging.getLogger(__name__)
 
-# Only a handle crosses per chunk, so GPU chunks are large; a CPU checksums each chunk on the event loop,
-# so its chunks stay at the byte transports' size.
+# Only a handle crosses per chunk, so GPU chunks are large; on a CPU each chunk's checksum reads its bytes
+# in host memory (off the loop, but it holds that transfer up), so its chunks stay at the byte transports'
+# size.
 IPC_CHUNK_BYTES = {"cuda": 32 << 20, "cpu": TARGET_CHUNK_BYTES}
 DEFAULT_HOLD_S = 30.0
 _SHM_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")
@@ -222,7 +226,7 @@ class IpcSender:
                 start_token=piece.start_token,
                 num_tokens=piece.kv.shape[1],
                 ipc=handle,
-                device_checksum=kv_checksum(_wire_bytes(piece.kv)),
+                device_checksum=await _wire_checksum(piece.kv),
             )
         # D copies out of `kv` after these messages: keep it until D hangs up (this is cancelled then).
         await asyncio.sleep(self.hold_s)
@@ -257,7 +261,7 @@ class IpcReceiver:
             )
         whole = self._whole(request.request_id, handle, layout)
         piece = whole[:, offset : offset + chunk.num_tokens].contiguous()  # [L, n, 2, kv_heads, head_dim]
-        if kv_checksum(_wire_bytes(piece)) != chunk.device_checksum:
+        if await _wire_checksum(piece) != chunk.device_checksum:
             raise KVTransferFault(f"chunk {chunk.index}: device checksum mismatch")
         return piece
 
@@ -275,9 +279,17 @@ class IpcReceiver:
         return whole
 
 
-def kv_checksum(flat: torch.Tensor) -> int:
-    """The ipc transport's checksum of flat uint8 KV bytes, computed where they are (see Integrity)."""
-    return device_checksum(flat) if flat.device.type == "cuda" else checksum(flat.numpy().data)
+async def _wire_checksum(kv: torch.Tensor) -> int:
+    """`kv_checksum` of a KV piece's wire bytes, on a worker thread (see Integrity). On a GPU the thread
+    runs on this thread's current stream, so it reads the piece after the work queued for it here, exactly
+    as it would on the loop."""
+    stream = torch.cuda.current_stream(kv.device) if kv.device.type == "cuda" else None
+    return await asyncio.to_thread(_checksum_on, stream, kv)
+
+
+def _checksum_on(stream: torch.cuda.Stream | None, kv: torch.Tensor) -> int:
+    with torch.cuda.stream(stream):  # None (host memory): no stream to follow
+        return kv_checksum(_wire_bytes(kv))
 
 
 def _wire_bytes(kv: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The "torch" KV transport: chunk tensors cross over a torch.distributed pair group, not in gRPC messages.
 
 The Prefill stream still carries the PrefillHeader and one KVChunk per chunk (index, positions, token
-count, CRC-32) with empty `data`; each chunk's bytes travel as one send/recv on a two-rank process group
+count, checksum) with empty `data`; each chunk's bytes travel as one send/recv on a two-rank process group
 between the prefill replica P (rank 0, `TorchSender`) and the decode replica D (rank 1, `TorchReceiver`).
 
 Rendezvous. D hosts one `TCPStore` (master, a free port, every interface) per process, created by its
@@ -16,7 +16,7 @@ message it posts the receives of all chunks at once, and P posts all its sends a
 there; the bytes then stream at the backend's pace while the gRPC messages only tell D, chunk by chunk,
 what to check and hand on (an earlier one-send-per-message design ran at half the gRPC transport's
 rate on loopback, in lockstep with the messages). One daemon thread per transfer and side waits for the
-ops in order (D: then checks each CRC) and settles one asyncio future per chunk.
+ops in order (D: then computes each checksum) and settles one asyncio future per chunk.
 
 Pair groups. One group per (P process, D process), built once through a `PrefixStore` keyed by the
 group's name (P's process id plus a generation) and reused by every transfer between the two; each side
@@ -35,19 +35,24 @@ read; a transfer D abandons before its first chunk then stalls the pair's next o
 which resets the pair.
 
 Threads, not the event loop. Every blocking call (store I/O, building a group, posting ops, waiting for
-them, CRCs) runs on short-lived daemon threads whose results come back as asyncio futures: a wait may
+them, checksums) runs on short-lived daemon threads whose results come back as asyncio futures: a wait may
 last until the transfer deadline, so it must neither hold the loop nor occupy the loop's default
 executor, nor hold up interpreter exit. Every wait is bounded: P by `timeout_s` from its first chunk, D
 by `timeout_s` from `prepare` (the Prefill call's deadline is the same budget). A cancelled transfer
 leaves its waiting thread to finish; that thread keeps the buffers alive, since gloo must never see a
 posted buffer freed (it would write into freed memory or wedge the pair).
 
-Integrity. P computes the zlib CRC-32 of each chunk's bytes (as the gRPC transport does) into
-`KVChunk.crc32` and refuses a tensor whose size is not `num_tokens * bytes_per_token`. D receives into
-exactly the announced bytes, refuses a chunk message that disagrees with the announcement, and checks the
-CRC, raising `KVTransferFault` on a mismatch. Gloo cannot report how many bytes arrived: a shorter message
-leaves the buffer's tail unwritten (the CRC then fails), and a longer one aborts the receiving process
-inside gloo, which is why sizes are enforced on the sending side before anything is posted.
+Integrity. P checksums each chunk's bytes where they are and names the checksum in its announcement:
+in host memory (gloo) zlib's CRC-32 into `KVChunk.crc32`, the same value the gRPC transport sends; on a GPU
+(NCCL) device_checksum.py's Fletcher pair into `KVChunk.device_checksum`, computed on the device, so no
+chunk is copied to the host only to be checked. P refuses a tensor whose size is not
+`num_tokens * bytes_per_token`. D receives into exactly the announced bytes, refuses a chunk message
+that disagrees with the announcement, and checks the announced checksum on its own copy (on its device for
+"device"), raising `KVTransferFault` on a mismatch. An announcement without a checksum (a P from before
+device checksums) means CRC-32, so such a P still works; the gloo wire is unchanged, and an older D facing
+a new P on NCCL sees a CRC mismatch and recomputes. Gloo cannot report how many bytes arrived: a shorter
+message leaves the buffer's tail unwritten (the checksum then fails), and a longer one aborts the receiving
+process inside gloo, which is why sizes are enforced on the sending side before anything is posted.
 
 Failure. A gloo/NCCL error, a timeout, a dead peer or a refused announcement raises `KVTransferFault` on D
 (which then recomputes locally) and ends P's stream with an error. A failed or timed-out op closes its
@@ -82,14 +87,8 @@ import torch
 import torch.distributed as dist
 
 from services.engine.kv_export import KVExport
-from services.kvtransfer.chunks import (
-    TARGET_CHUNK_BYTES,
-    KVTransferFault,
-    Layout,
-    checksum,
-    split,
-    tokens_per_chunk,
-)
+from services.kvtransfer.chunks import TARGET_CHUNK_BYTES, KVTransferFault, Layout, split, tokens_per_chunk
+from services.kvtransfer.device_checksum import ChecksumKind, checksum_kind, kv_checksum
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 if not dist.is_available():  # services/worker/server.py then offers "grpc" only
@@ -182,12 +181,6 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _crc(flat: torch.Tensor) -> int:
-    """The CRC-32 of a flat uint8 tensor's bytes (from a host copy if it lives on a GPU)."""
-    host = flat if flat.device.type == "cpu" else flat.cpu()
-    return checksum(host.numpy().data)
-
-
 # ------------------------------------------------------------------------------ shared by both sides
 
 
@@ -200,9 +193,10 @@ class _Announcement:
     seq: int
     tokens: tuple[int, ...]  # each chunk's token count, in order
     replaces: str = ""  # P's previous group with this D, now closed
+    checksum: ChecksumKind = ChecksumKind.CRC32  # what the chunk messages carry (see Integrity)
 
     def encode(self) -> str:
-        return json.dumps({**self.__dict__, "tokens": list(self.tokens)})
+        return json.dumps({**self.__dict__, "tokens": list(self.tokens), "checksum": str(self.checksum)})
 
     @classmethod
     def decode(cls, raw: bytes) -> _Announcement:
@@ -214,6 +208,7 @@ class _Announcement:
                 int(fields["seq"]),
                 tuple(int(n) for n in fields["tokens"]),
                 str(fields.get("replaces", "")),
+                ChecksumKind(fields.get("checksum", ChecksumKind.CRC32)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise KVTransferFault(f"unreadable torch transfer announcement {raw[:200]!r}") from exc
@@ -405,8 +400,10 @@ class _Link:
 class TorchSender:
     """Prefill side: announces each transfer in D's store and sends every chunk's tensor to rank 1."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, checksum: ChecksumKind | None = None) -> None:
+        """`checksum`: what every chunk gets; None picks by the export's device (`checksum_kind`)."""
         self.timeout_s = timeout_s
+        self.checksum = checksum
         self._id = uuid.uuid4().hex[:12]
         self._generations = itertools.count(1)
         self._links: OrderedDict[str, _Link] = OrderedDict()
@@ -427,25 +424,28 @@ class TorchSender:
             raise KVTransferFault("the torch transport needs PrefillRequest.rendezvous")
         deadline = time.monotonic() + self.timeout_s
         backend = backend_for(export.kv.device)
+        kind = self.checksum or checksum_kind(export.kv.device)
         rendezvous, tag = request.rendezvous, request.torch_tag
         flats = [piece.kv.contiguous().view(torch.uint8).reshape(-1) for piece in pieces]
         link, group, replaced = await _in_thread(lambda: self._open(rendezvous, backend, deadline))
         lock = group.transfer_lock if group.ordered else contextlib.nullcontext()
         async with lock:
             tokens = tuple(piece.kv.shape[1] for piece in pieces)
-            announcement = _Announcement(group.name, backend, group.next_seq(), tokens, replaced)
+            announcement = _Announcement(group.name, backend, group.next_seq(), tokens, replaced, kind)
             await _in_thread(lambda: self._announce(link, group, tag, announcement))
-            crcs = _each_in_thread(lambda i: _crc(flats[i]), len(flats))
+            sums = _each_in_thread(lambda i: kv_checksum(flats[i], kind), len(flats))
             sent: list[asyncio.Future[None]] = []
             finished = False
             try:
                 if group.ready:  # start sending before the first message: D posts on that message
                     sent = self._send_all(group, flats, tag, announcement.seq, deadline)
                 for index, piece in enumerate(pieces):
-                    crc = await crcs[index]
-                    yield kvpb.KVChunk(
-                        index=index, start_token=piece.start_token, num_tokens=tokens[index], crc32=crc
-                    )
+                    chunk = kvpb.KVChunk(index=index, start_token=piece.start_token, num_tokens=tokens[index])
+                    if kind == ChecksumKind.DEVICE:
+                        chunk.device_checksum = await sums[index]
+                    else:
+                        chunk.crc32 = await sums[index]
+                    yield chunk
                     if not sent:  # a new group: D builds its side on this first message
                         sent = self._send_all(group, flats, tag, announcement.seq, deadline)
                 await sent[-1]  # in order: the last one settles after every other
@@ -538,7 +538,7 @@ class _Inbound:
     announcement: _Announcement | None = None
     group: _PairGroup | None = None
     flats: list[torch.Tensor] = field(default_factory=list)
-    arrivals: list[asyncio.Future[int]] = field(default_factory=list)  # each chunk's CRC, once it landed
+    arrivals: list[asyncio.Future[int]] = field(default_factory=list)  # each chunk's checksum, once landed
 
 
 class TorchReceiver:
@@ -600,7 +600,8 @@ class TorchReceiver:
             tokens = announcement.tokens
             if chunk.index >= len(tokens) or chunk.num_tokens != tokens[chunk.index]:
                 raise KVTransferFault(f"chunk {chunk.index} ({chunk.num_tokens} tokens) was not announced")
-            if await inbound.arrivals[chunk.index] != chunk.crc32:
+            sent = chunk.device_checksum if announcement.checksum == ChecksumKind.DEVICE else chunk.crc32
+            if await inbound.arrivals[chunk.index] != sent:
                 raise KVTransferFault(f"chunk {chunk.index}: checksum mismatch")
         except BaseException as exc:
             self._inbound.pop(tag, None)
@@ -629,8 +630,9 @@ class TorchReceiver:
             torch.empty(n * layout.bytes_per_token, dtype=torch.uint8, device=self.device)
             for n in announcement.tokens
         ]
+        kind = announcement.checksum
         inbound.arrivals = _post_and_wait(
-            group, "recv", flats, tag, announcement.seq, deadline, lambda i: _crc(flats[i])
+            group, "recv", flats, tag, announcement.seq, deadline, lambda i: kv_checksum(flats[i], kind)
         )
         inbound.flats = flats
         inbound.announcement = announcement

@@ -103,6 +103,8 @@ def test_a_dry_run_on_the_cpu_runs_every_stage_without_the_missing_packages(dry_
     kernels = summary["6_kernels"]  # under the interpreter (TRITON_INTERPRET=1 from conftest.py)
     assert kernels["ok"] and kernels["llama1b_split_decode"]["split_kv"] is False  # shrunk: too short
     assert all(kernels[case]["max_abs_error"] <= 2e-2 for case in kernels if isinstance(kernels[case], dict))
+    ratios = [case["fp32_one_key_ratio"] for case in kernels.values() if isinstance(case, dict)]
+    assert len(ratios) == 5 and max(ratios) <= kernels["one_key_limit"] / 10
     attention = summary["7_attention"]
     assert attention["b64_auto"]["triton_us"] > 0 and attention["b64_split"]["torch_native_us"] > 0
 

@@ -13,7 +13,7 @@ import torch
 
 from services.engine.kv_export import KVExport
 from services.kvtransfer import device_checksum as device_checksum_module
-from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, num_chunks
+from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout
 from services.kvtransfer.device_checksum import ROW_WORDS, device_checksum, reference
 from services.kvtransfer.ipc_transport import (
     IpcReceiver,
@@ -25,6 +25,7 @@ from services.kvtransfer.ipc_transport import (
     share,
 )
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
+from tests.kv_helpers import prefill_header
 from tests.stack_helpers import run_python
 
 CPU = torch.device("cpu")
@@ -109,13 +110,7 @@ def export_of(num_tokens: int, start: int = 0) -> KVExport:
 
 
 def header_for(export: KVExport, chunk_bytes: int) -> kvpb.PrefillHeader:
-    num_kv = export.kv.shape[1]
-    return kvpb.PrefillHeader(
-        layout=LAYOUT.to_proto(),
-        first_token_position=export.start_token,
-        num_kv_tokens=num_kv,
-        num_chunks=num_chunks(export.start_token, num_kv, LAYOUT, chunk_bytes),
-    )
+    return prefill_header(export, LAYOUT, chunk_bytes)
 
 
 async def transfer(

@@ -16,7 +16,8 @@ from services.engine.attention_backend import TorchAttention, checked_or_torch
 from services.engine.models.config import ModelConfig
 from services.engine.ops.triton import kernels
 from services.engine.ops.triton.dispatch import GQA_RATIOS, KernelSpec
-from services.engine.ops.triton.launch import TritonAttention, _StepLayout, self_check
+from services.engine.ops.triton.launch import TritonAttention, _StepLayout
+from services.engine.ops.triton.self_check import self_check
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
@@ -183,3 +184,28 @@ def test_the_load_time_self_check_passes_good_kernels_and_auto_falls_back_from_b
     broken = _NoLaunch(spec, 4, 2)
     assert (self_check(broken, cpu, None) or "").startswith("RuntimeError: no kernel image")
     assert isinstance(checked_or_torch(broken, config, cpu), TorchAttention)
+
+
+class _HalfReduce:
+    """The reduce kernel told there are half as many segments: it merges the wrong partials, a fault only
+    split-KV decode has (every decode graph bucket of few rows takes it)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, NUM_SEGMENTS: int, **kwargs: Any) -> None:
+            self.real[grid](*args, NUM_SEGMENTS=NUM_SEGMENTS // 2, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_the_self_check_runs_split_kv_decode_over_more_blocks_than_segments(
+    window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = torch.device("cpu")
+    attention = TritonAttention(KernelSpec(torch.float32, 64, 16), 4, 2)
+    monkeypatch.setattr(kernels, "reduce_segments_kernel", _HalfReduce(kernels.reduce_segments_kernel))
+    reason = self_check(attention, cpu, window) or ""
+    assert "against the reference" in reason and reason.endswith("in the long decode step")

@@ -128,8 +128,9 @@ def _first_block(first_pos, window, BLOCK_SIZE: tl.constexpr):
 
 # Arguments that change from step to step are not specialised on (Triton would compile a variant the first
 # time a value is 1 or a multiple of 16, or a pointer loses 16-byte alignment: a stall in the middle of
-# serving); what aot.py compiles is exactly these generic variants.
-_STEP_ARGS = ["num_rows", "window"]
+# serving); what aot.py compiles is exactly these generic variants. `stride_bt` is the block table's width,
+# the step's most blocks in one row: 1, 3, 16 and 17 would otherwise be three variants.
+_STEP_ARGS = ["num_rows", "window", "stride_bt"]
 _STEP_POINTERS = ["tables_ptr", "query_start_ptr", "seq_lens_ptr"]
 
 
@@ -177,7 +178,7 @@ def paged_attention_kernel(
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def split_decode_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
     qk_scale, window, group_size,

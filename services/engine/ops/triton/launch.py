@@ -3,8 +3,10 @@
 One `TritonAttention` serves one model: its specialization (dispatch.py) was chosen at load. Per layer,
 `store` writes the step's K/V through the slot mapping and `attend` runs the paged kernel over every
 row; decode rows go through split-KV instead when there are few of them over long contexts (the 2-D
-grid would leave most SMs idle). What the kernels read beyond the step's metadata (the query layout and
-context lengths as int32) is built once per step and kept on the metadata.
+grid would leave most SMs idle), and a prompt with no cached prefix goes through torch's SDPA (flash
+attention on a GPU) over its own new K/V, one call per such row. What the kernels read beyond the step's
+metadata (the query layout and context lengths as int32, the fresh prompts' rows as host ints) is built
+once per step and kept on the metadata.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from services.engine.attention import AttentionMetadata, DecodeAttention
 from services.engine.ops.triton import kernels
@@ -26,11 +29,21 @@ from services.engine.ops.triton.dispatch import (
 
 
 @dataclass(frozen=True)
+class _FreshRow:
+    """A prefill row with no cached prefix: its queries see only its own new tokens."""
+
+    row: int  # its index in the step's row order
+    token_start: int  # its first token in the step's flat order
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class _StepLayout:
     query_start: torch.Tensor  # [num_rows + 1] int32: each row's first token in the step's flat order
     seq_lens: torch.Tensor  # [num_rows] int32: each row's context length, new tokens included
     num_decode: int
     split_decode: bool  # decode rows take split-KV + reduce; the paged kernel takes the prefill rows
+    fresh_rows: tuple[_FreshRow, ...] = ()  # in row order; a captured decode step has none
 
 
 class TritonAttention:
@@ -70,28 +83,50 @@ class TritonAttention:
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim] -> the same shape. k, v are already in the cache."""
-        del k, v, decode_attention  # the kernel reads the cache; the C decode kernel is CPU-only
+        """q: [num_tokens, num_heads, head_dim] -> the same shape. k, v [num_tokens, kv_heads, head_dim] are
+        already in the cache; only the fresh prompts' SDPA reads them. The paged kernel takes each run of
+        rows between fresh prompts (row boundaries are host ints: no wait on the device)."""
+        del decode_attention  # the C decode kernel is CPU-only
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         layout = self._layout(meta)
-        qk_scale = (self.spec.head_dim**-0.5 if scale is None else scale) * math.log2(math.e)
+        scale = self.spec.head_dim**-0.5 if scale is None else scale
+        qk_scale = scale * math.log2(math.e)
         win = window or 0
-        first_row = 0
+        row = token = 0  # the first row (and its first token) no launch has taken yet
         if layout.split_decode:
             self._split_decode(out, q, cache, meta, layout, qk_scale, win)
-            first_row = layout.num_decode
-        num_rows = len(meta.decode_rows) + len(meta.prefill_rows) - first_row
-        if num_rows:
-            self._paged(out, q, cache, meta, layout, first_row, num_rows, qk_scale, win)
+            row = token = layout.num_decode  # one token per decode row
+        for fresh in layout.fresh_rows:
+            if win and fresh.num_tokens > win:
+                continue  # the window masks some of its keys and flash SDPA has no window: the kernel's mask
+            num_tokens = fresh.token_start - token
+            self._paged(out, q, cache, meta, layout, row, fresh.row - row, num_tokens, qk_scale, win)
+            self._fresh(out, q, k, v, fresh, scale)
+            row, token = fresh.row + 1, fresh.token_start + fresh.num_tokens
+        num_rows = len(meta.decode_rows) + len(meta.prefill_rows)
+        self._paged(out, q, cache, meta, layout, row, num_rows - row, meta.num_tokens - token, qk_scale, win)
         return out
+
+    @staticmethod
+    def _fresh(
+        out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh: _FreshRow, scale: float
+    ) -> None:
+        """A prompt with no cached prefix: causal attention over its own new tokens, which SDPA (flash on a
+        GPU) runs faster than the paged kernel's walk over the blocks they were just written to."""
+        tokens = slice(fresh.token_start, fresh.token_start + fresh.num_tokens)
+        q_row, k_row, v_row = (t[tokens].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, hd]
+        attn = scaled_dot_product_attention(q_row, k_row, v_row, is_causal=True, scale=scale, enable_gqa=True)
+        out[tokens] = attn[0].transpose(0, 1)  # [n, num_heads, head_dim]
 
     def _paged(
         self, out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-        layout: _StepLayout, first_row: int, num_rows: int, qk_scale: float, window: int,
+        layout: _StepLayout, first_row: int, num_rows: int, num_tokens: int, qk_scale: float, window: int,
     ) -> None:  # fmt: skip
+        """Rows first_row..first_row + num_rows - 1, whose new tokens number num_tokens."""
+        if num_rows == 0:
+            return
         spec = self.spec
         block_q = spec.block_m // self.group_pad
-        num_tokens = meta.num_tokens - (layout.num_decode if first_row else 0)
         grid = (num_tokens // block_q + num_rows, self.num_kv_heads)  # tiles, an upper bound
         tables = meta.block_tables[first_row:]
         kernels.paged_attention_kernel[grid](
@@ -147,9 +182,14 @@ class TritonAttention:
         for row in rows:
             starts.append(starts[-1] + row.num_new_tokens)
         num_decode = len(meta.decode_rows)
+        fresh = tuple(
+            _FreshRow(i, starts[i], row.num_new_tokens)
+            for i, row in enumerate(rows[num_decode:], num_decode)
+            if row.start_position == 0 and row.num_new_tokens > 0
+        )
         layout = _StepLayout(
             _int32(starts, meta.device), _int32([r.context_len for r in rows], meta.device), num_decode,
-            num_decode > 0 and self._splits(meta),
+            num_decode > 0 and self._splits(meta), fresh,
         )  # fmt: skip
         meta.backend_state[self] = layout
         return layout
@@ -165,30 +205,3 @@ class TritonAttention:
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
     host = torch.tensor(values, dtype=torch.int32)
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-
-
-def self_check(attention: TritonAttention, device: torch.device, window: int | None) -> str | None:
-    """Run the store and attention kernels once on a small random step (decode rows at block edges, a
-    chunk over a cached prefix) against the float64 reference; None when they agree, else why not.
-    `engine.attention: auto` runs it at load, so a kernel that fails on this GPU falls back instead."""
-    from services.engine.attention import RowSpec, build_metadata, reference_attention
-
-    spec = attention.spec
-    bs = spec.block_size
-    rows = [RowSpec([0], 0, 1), RowSpec([1, 2], bs, 1), RowSpec([3, 4, 5], bs + 4, bs + 3)]
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    cache = torch.randn(6 * bs, 2, attention.num_kv_heads, spec.head_dim, generator=gen).to(spec.dtype)
-    meta = build_metadata(rows[:2], rows[2:], bs, device)
-    shape = (meta.num_tokens, attention.num_kv_heads, spec.head_dim)
-    q = torch.randn(meta.num_tokens, attention.num_heads, spec.head_dim, generator=gen).to(spec.dtype)
-    k, v = (torch.randn(shape, generator=gen).to(spec.dtype) for _ in "kv")
-    cache, q, k, v = (t.to(device) for t in (cache, q, k, v))
-    try:
-        attention.store(cache, meta, k, v)
-        got = attention.attend(q, k, v, cache, meta, window=window).double().cpu()
-    except Exception as exc:  # a kernel that does not build or launch here: the reason is the answer
-        return f"{type(exc).__name__}: {exc}"
-    want = reference_attention(q.cpu(), cache.cpu(), rows, bs, window=window).double()
-    error = float((got - want).abs().max())
-    tolerance = 1e-3 if spec.dtype == torch.float32 else 3e-2
-    return None if error <= tolerance else f"max abs error {error:.3g} against the reference (> {tolerance})"
