@@ -96,7 +96,8 @@ def dry_run_argv(out: Path) -> list[str]:
     return [
         sys.executable, str(SCRIPTS_DIR / "gpu_check.py"), "--device", "cpu", "--check-shape", "tiny",
         "--shapes", "tiny", "--identity-tokens", "24", "--copy-mib", "8", "--ipc-mib", "4",
-        "--decode-steps", "4", "--attentions", "auto", "--out", str(out), "--work", str(out / "work"),
+        "--decode-steps", "4", "--attentions", "auto", "--budget-s", "900", "--out", str(out),
+        "--work", str(out / "work"),
     ]  # fmt: skip
 
 

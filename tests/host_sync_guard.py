@@ -3,7 +3,7 @@
 On a GPU these block the host until the stream has drained, so an overlapped step (core.py) turns serial:
 reading a device tensor's values (`item`, `bool`, `int`, `tolist`, `numpy`, `nonzero`, `equal`), building a
 tensor from host lists on the compute device (`torch.tensor(values, device=...)`: a pageable copy that
-waits), and a host-to-device copy without `non_blocking`. The tests run on a CPU, where host and device
+waits), and a copy to or from the device without `non_blocking`. The tests run on a CPU, where host and device
 are one, so the guard tells them apart by where a tensor came from:
 
 - host-born: built from host values (`torch.tensor` / factories with no `device`), and whatever is
@@ -111,6 +111,22 @@ def guarding(monkeypatch: pytest.MonkeyPatch, to_device_modules: list[Any]) -> I
 
     for name in ("tolist", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, reader(name, getattr(torch.Tensor, name)))
+
+    def to_host(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """`.cpu()` and `.to("cpu")` of a device-born tensor without non_blocking: a copy the host waits for
+        (a no-op on a CPU, so it is caught here, above the dispatcher)."""
+
+        def wrapped(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            target = args[0] if args else kwargs.get("device")
+            to_cpu = name == "cpu" or (isinstance(target, str | torch.device) and str(target) == "cpu")
+            if active[0] and to_cpu and not kwargs.get("non_blocking") and not guard.is_host(self):
+                guard.flag(f"Tensor.{name} to the host, blocking")
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
+    for name in ("cpu", "to"):
+        monkeypatch.setattr(torch.Tensor, name, to_host(name, getattr(torch.Tensor, name)))
 
     for module in to_device_modules:
         original_to_device = module.to_device

@@ -22,8 +22,9 @@ import torch
 from services.common.config import EngineConfig, KvrelayConfig
 from services.common.errors import ConfigError
 from services.common.manifest import Manifest
+from services.common.sampling import MAX_LOGPROBS, SamplingParams
 from services.engine.attention import RowSpec, build_metadata, to_device
-from services.engine.attention_backend import PagedAttention
+from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
@@ -46,6 +47,7 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM
 from services.engine.runner import ModelRunner
 from services.engine.runner_protocol import Runner
+from services.engine.sampler import SamplingBatch, SamplingRow, sample_on_device
 from services.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -177,7 +179,9 @@ def build_core_from_loaded(
             graphs = DecodeGraphs(
                 loaded.model, paged, caches, engine.block_size, batch_size_limit, max_blocks
             )
-            runner.graphs = _captured(graphs, graph_estimate, required=engine.cuda_graphs is True)
+            runner.graphs = _captured(
+                graphs, graph_estimate, loaded.model, required=engine.cuda_graphs is True
+            )
         return runner
 
     plan_blocks: BlockPlanner | None = None
@@ -210,18 +214,28 @@ def build_core_from_loaded(
     )
 
 
-def _captured(graphs: DecodeGraphs, planned_bytes: int, *, required: bool) -> DecodeGraphs | None:
+def _captured(
+    graphs: DecodeGraphs, planned_bytes: int, model: CausalLM, *, required: bool
+) -> DecodeGraphs | None:
     """The graphs once captured; when capture fails and they were not asked for explicitly, None (the
-    engine runs every step eagerly, logged), so the default is never worse than eager. Graphs that took
+    engine runs every step eagerly, logged), so the default is never worse than eager. A Triton kernel that
+    fails to build there would fail the eager steps too (its constexprs are the model's), so the model
+    also leaves the Triton kernels for torch-native attention, which reads the same cache. Graphs that took
     more than the KV plan set aside for them are logged: that is the headroom they ate into."""
     try:
         graphs.capture()
     except _capture_errors() as exc:
         if required:
             raise
-        log.warning(
-            "decode graph capture failed; running eagerly", extra={"reason": f"{type(exc).__name__}: {exc}"}
-        )
+        reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (RuntimeError, torch.OutOfMemoryError)):
+            log.warning("decode graph capture failed; running eagerly", extra={"reason": reason})
+        else:
+            model.paged = TorchAttention()
+            log.warning(
+                "a Triton kernel failed at decode graph capture; torch-native attention, eagerly",
+                extra={"reason": reason},
+            )
         return None
     if graphs.graph_bytes > planned_bytes:
         log.warning(
@@ -254,18 +268,30 @@ def _graphs_on(setting: bool | None, paged: PagedAttention, device: torch.device
     return setting
 
 
+# The costliest sampling a row can ask for: what the warm-up runs on every row of a full step.
+WARM_UP_SAMPLING = SamplingParams(
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
+    presence_penalty=0.1, seed=0, logprobs=MAX_LOGPROBS, max_tokens=1,
+)  # fmt: skip
+
+
 def warm_up(
     model: CausalLM, spec: KVCacheSpec, num_tokens: int, num_samples: int, device: torch.device
 ) -> int:
     """One forward of a full step (`num_tokens` prompt tokens, logits for `num_samples` of them) over a
-    scratch cache, so the allocator's peak holds the step's activations before the KV cache is sized.
-    Returns the scratch cache's bytes, which that peak also holds but the KV cache replaces."""
+    scratch cache, then the sampler over those rows with every feature on (penalties, top-k, top-p: a full
+    sort of each row on a GPU, logprobs, seeds), so the allocator's peak holds the step's activations
+    before the KV cache is sized. Returns the scratch cache's bytes, which that peak also holds but the KV
+    cache replaces."""
     num_blocks = -(-num_tokens // spec.block_size)
     caches = allocate_kv_caches(spec, num_blocks, device)
     meta = build_metadata([], [RowSpec(list(range(num_blocks)), 0, num_tokens)], spec.block_size, device)
     token_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [num_tokens]
     samples = to_device(list(range(max(0, num_tokens - num_samples), num_tokens)), device)  # [num_samples]
-    model.forward(token_ids, caches, meta, samples)
+    logits = model.forward(token_ids, caches, meta, samples)  # [num_samples, vocab]
+    rows = [SamplingRow(WARM_UP_SAMPLING, [1, 2, 3], [4])] * logits.shape[0]
+    batch = SamplingBatch.build(rows, logits.shape[1], device)
+    sample_on_device(logits, batch, torch.Generator(device=device).manual_seed(0))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     del caches

@@ -288,7 +288,9 @@ async def _wire_checksum(kv: torch.Tensor) -> int:
 
 
 def _checksum_on(stream: torch.cuda.Stream | None, kv: torch.Tensor) -> int:
-    with torch.cuda.stream(stream):  # None (host memory): no stream to follow
+    if stream is None:  # host memory: no stream to follow (torch.cuda.stream(None) would start CUDA)
+        return kv_checksum(_wire_bytes(kv))
+    with torch.cuda.stream(stream):
         return kv_checksum(_wire_bytes(kv))
 
 

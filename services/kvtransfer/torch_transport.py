@@ -45,14 +45,15 @@ posted buffer freed (it would write into freed memory or wedge the pair).
 Integrity. P checksums each chunk's bytes where they are and names the checksum in its announcement:
 in host memory (gloo) zlib's CRC-32 into `KVChunk.crc32`, the same value the gRPC transport sends; on a GPU
 (NCCL) device_checksum.py's Fletcher pair into `KVChunk.device_checksum`, computed on the device, so no
-chunk is copied to the host only to be checked. P refuses a tensor whose size is not
-`num_tokens * bytes_per_token`. D receives into exactly the announced bytes, refuses a chunk message
-that disagrees with the announcement, and checks the announced checksum on its own copy (on its device for
-"device"), raising `KVTransferFault` on a mismatch. An announcement without a checksum (a P from before
-device checksums) means CRC-32, so such a P still works; the gloo wire is unchanged, and an older D facing
-a new P on NCCL sees a CRC mismatch and recomputes. Gloo cannot report how many bytes arrived: a shorter
-message leaves the buffer's tail unwritten (the checksum then fails), and a longer one aborts the receiving
-process inside gloo, which is why sizes are enforced on the sending side before anything is posted.
+chunk is copied to the host only to be checked, when D lists "device" in `PrefillRequest.kv_checksums`
+(its `prepare` does; a D from before device checksums lists nothing and gets CRC-32). P refuses a tensor
+whose size is not `num_tokens * bytes_per_token`. D receives into exactly the announced bytes, refuses a
+chunk message that disagrees with the announcement, and checks the announced checksum on its own copy (on
+its device for "device"), raising `KVTransferFault` on a mismatch. An announcement without a checksum (a
+P from before device checksums) means CRC-32, so such a P still works: either pool can be upgraded first.
+Gloo cannot report how many bytes arrived: a shorter message leaves the buffer's tail unwritten (the
+checksum then fails), and a longer one aborts the receiving process inside gloo, which is why sizes are
+enforced on the sending side before anything is posted.
 
 Failure. A gloo/NCCL error, a timeout, a dead peer or a refused announcement raises `KVTransferFault` on D
 (which then recomputes locally) and ends P's stream with an error. A failed or timed-out op closes its
@@ -397,6 +398,13 @@ class _Link:
     group: _PairGroup | None = None
 
 
+def _agreed_checksum(request: kvpb.PrefillRequest, device: torch.device) -> ChecksumKind:
+    """The checksum for KV on `device` (`checksum_kind`) when D verifies it, else CRC-32: a D from before
+    device checksums lists none, and gets what it checks (from a GPU, through a host copy)."""
+    kind = checksum_kind(device)
+    return kind if kind == ChecksumKind.CRC32 or kind in request.kv_checksums else ChecksumKind.CRC32
+
+
 class TorchSender:
     """Prefill side: announces each transfer in D's store and sends every chunk's tensor to rank 1."""
 
@@ -424,7 +432,7 @@ class TorchSender:
             raise KVTransferFault("the torch transport needs PrefillRequest.rendezvous")
         deadline = time.monotonic() + self.timeout_s
         backend = backend_for(export.kv.device)
-        kind = self.checksum or checksum_kind(export.kv.device)
+        kind = self.checksum or _agreed_checksum(request, export.kv.device)
         rendezvous, tag = request.rendezvous, request.torch_tag
         flats = [piece.kv.contiguous().view(torch.uint8).reshape(-1) for piece in pieces]
         link, group, replaced = await _in_thread(lambda: self._open(rendezvous, backend, deadline))
@@ -582,6 +590,7 @@ class TorchReceiver:
         self._inbound[tag] = _Inbound(deadline=now + self.timeout_s)
         request.rendezvous = self._rendezvous
         request.torch_tag = tag
+        request.kv_checksums[:] = [ChecksumKind.DEVICE]  # besides CRC-32, which every D verifies
 
     async def receive(
         self, request: kvpb.PrefillRequest, chunk: kvpb.KVChunk, layout: Layout

@@ -48,7 +48,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
         gpu_check_wheels.TRACE_ENV: str(trace),
     }  # fmt: skip
     argv = gpu_check_wheels.dry_run_argv(out)  # every stage, in the default order
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO_ROOT, env=env)
     summary = json.loads((out / "summary.json").read_text())
     traced = gpu_check_wheels.distributions(gpu_check_wheels.traced_files(trace))
     return DryRun(out, summary, done.returncode, done.stderr[-2000:], blocked, traced)

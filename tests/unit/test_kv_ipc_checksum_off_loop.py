@@ -24,7 +24,7 @@ from tests.kv_helpers import prefill_header
 CPU = torch.device("cpu")
 # 8 KiB per token: a 1 MiB chunk holds 128 tokens, so 300 tokens are 3 chunks
 LAYOUT = Layout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float32, block_size=16)
-SLOW_S = 0.2  # per checksum: each chunk is checksummed by P and again by D
+SLOW_S = 0.5  # per checksum: each chunk is checksummed by P and again by D
 TICK_S = 0.01
 
 
@@ -94,4 +94,4 @@ async def test_the_loop_keeps_ticking_while_each_chunk_is_checksummed(
     assert torch.equal(kv, export.kv)
     assert ended - started >= 2 * len(chunks) * SLOW_S  # every slow checksum ran (P's and D's)
     longest = max(b - a for a, b in itertools.pairwise([started, *ticks, ended]))
-    assert longest < 0.75 * SLOW_S, f"the loop stalled {longest * 1000:.0f} ms"
+    assert longest < 0.5 * SLOW_S, f"the loop stalled {longest * 1000:.0f} ms"

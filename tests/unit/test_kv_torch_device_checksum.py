@@ -18,7 +18,7 @@ import torch
 from services.engine.kv_export import KVExport
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout
 from services.kvtransfer.device_checksum import ChecksumKind
-from services.kvtransfer.torch_transport import TorchReceiver, TorchSender, _Announcement
+from services.kvtransfer.torch_transport import TorchReceiver, TorchSender, _agreed_checksum, _Announcement
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from tests.kv_helpers import prefill_header
 
@@ -143,3 +143,14 @@ def test_an_announcement_without_a_checksum_means_crc32() -> None:
     assert _Announcement.decode(new.encode().encode()) == new
     with pytest.raises(KVTransferFault, match="unreadable"):
         _Announcement.decode(old.replace(b'"replaces"', b'"checksum": "md5", "replaces"'))
+
+
+def test_p_sends_device_checksums_only_to_a_d_that_lists_them(receiver: TorchReceiver) -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    old_d = kvpb.PrefillRequest(request_id="old", transport="torch")  # a D from before: lists nothing
+    assert _agreed_checksum(old_d, cuda) == ChecksumKind.CRC32
+    new_d = kvpb.PrefillRequest(request_id="new", transport="torch")
+    receiver.prepare(new_d)
+    assert list(new_d.kv_checksums) == [ChecksumKind.DEVICE]
+    assert _agreed_checksum(new_d, cuda) == ChecksumKind.DEVICE
+    assert _agreed_checksum(new_d, cpu) == ChecksumKind.CRC32  # host memory: zlib, as the gRPC wire

@@ -87,3 +87,17 @@ def test_the_guard_catches_reading_a_device_tensor(model_dir: Path, monkeypatch:
     violations, _ = run_guarded(model_dir, monkeypatch)
     assert any("_local_scalar_dense" in v for v in violations), violations
     assert any("nonzero" in v for v in violations), violations
+
+
+def test_the_guard_catches_a_blocking_copy_to_the_host(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = sampler.sample_on_device
+
+    def copies_back(logits: torch.Tensor, *args: Any) -> Any:
+        logits.cpu()  # waits for the forward on a GPU
+        return original(logits, *args)
+
+    monkeypatch.setattr(runner, "sample_on_device", copies_back)
+    violations, _ = run_guarded(model_dir, monkeypatch)
+    assert any("Tensor.cpu to the host, blocking" in v for v in violations), violations

@@ -112,7 +112,9 @@ class TritonAttention:
         out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh: _FreshRow, scale: float
     ) -> None:
         """A prompt with no cached prefix: causal attention over its own new tokens, which SDPA (flash on a
-        GPU) runs faster than the paged kernel's walk over the blocks they were just written to."""
+        GPU) runs faster than the paged kernel's walk over the blocks they were just written to. Under
+        Triton the cache holds the compute dtype (another engine.kv_cache_dtype is refused at load), so
+        the new K/V are exactly what the kernel would read back."""
         tokens = slice(fresh.token_start, fresh.token_start + fresh.num_tokens)
         q_row, k_row, v_row = (t[tokens].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, hd]
         attn = scaled_dot_product_attention(q_row, k_row, v_row, is_causal=True, scale=scale, enable_gqa=True)
