@@ -1,9 +1,9 @@
 """The vendored Open Responses JSON schemas, loaded for tests that check kvrelay's wire objects against them.
 
-The specification lives outside the repository, in `../shared/reference/openresponses` (a sibling of the
-repo root; CI links it there). Every file under its `schema/components/schemas` is one JSON Schema whose
-`$ref`s name sibling files (`./ItemField.json`), so each is registered in a `referencing.Registry` under
-its own file URI and a relative ref resolves to the sibling's URI. Validation is Draft 2020-12 (the
+The schemas are vendored in tests/fixtures/openresponses (Apache-2.0; its NOTICE names the upstream
+commit), so a fresh clone needs nothing beside it. Every file under its `schema/components/schemas` is one
+JSON Schema whose `$ref`s name sibling files (`./ItemField.json`), so each is registered in a
+`referencing.Registry` under its own file URI and a relative ref resolves to the sibling's URI. Validation is Draft 2020-12 (the
 schemas carry no `$schema`; OpenAPI keywords such as `discriminator` are ignored as unknown keywords).
 
     validate("ResponseResource", body)      # raises SchemaMismatchError naming the failing path
@@ -28,8 +28,7 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DIR = REPO_ROOT.parent / "shared"
-REFERENCE_DIR = SHARED_DIR / "reference" / "openresponses"
+REFERENCE_DIR = REPO_ROOT / "tests" / "fixtures" / "openresponses"
 SCHEMA_DIR = REFERENCE_DIR / "schema" / "components" / "schemas"
 MANIFEST = REPO_ROOT / "tests" / "fixtures" / "openresponses.sha256"
 STREAM_EVENT_SUFFIX = "StreamingEvent"
@@ -48,8 +47,7 @@ def _schemas() -> dict[str, dict[str, Any]]:
     """Every component schema by name (the file name without `.json`)."""
     if not SCHEMA_DIR.is_dir():
         raise FileNotFoundError(
-            f"the vendored Open Responses schemas are missing at {SCHEMA_DIR} "
-            "(the repo expects a sibling `shared` directory)"
+            f"the vendored Open Responses schemas are missing at {SCHEMA_DIR}"
         )
     return {
         path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(SCHEMA_DIR.glob("*.json"))

@@ -1,5 +1,5 @@
 """Every object and event `/v1/responses` emits validates against the vendored Open Responses schemas
-(tests/openresponses_schemas.py loads them from ../shared/reference/openresponses): the real codec app,
+(tests/openresponses_schemas.py loads them from tests/fixtures/openresponses): the real codec app,
 in process, with scripted SmolLM2 tokens from the fake backend. Each case runs non-streamed and streamed;
 a streamed case validates every event by its type's schema, and the response object inside each
 lifecycle event. Beyond the schemas: output_text parts carry `annotations` and `logprobs`, `completed_at`

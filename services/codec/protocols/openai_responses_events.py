@@ -9,8 +9,8 @@ which stream events each step makes; the non-streamed route builds its output wi
 agree. `Lifecycle` owns the streaming state (the next `sequence_number`) and encodes each event with
 `event:` equal to the data's `type`. The sequence is documented in openai_responses.py.
 
-Every object and event validates against the Open Responses schemas (the specification vendored in
-`../shared/reference/openresponses`; tests/unit/test_responses_openresponses_schema.py checks each one).
+Every object and event validates against the Open Responses schemas (vendored in
+tests/fixtures/openresponses; tests/unit/test_responses_openresponses_schema.py checks each one).
 
 Items:
 
