@@ -255,8 +255,13 @@ def test_disaggregated_up_answers_a_chat_and_status_shows_both_pools(model_dir: 
         answer = chat(split.url, "What is the capital of France?")
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] >= 1
+
         # The router refreshes each replica's load about once a second: the counters may lag the answer.
-        wait_until(lambda: _remote_prefills(split.url) >= 1, split, "no remote prefill counted", 15)
+        # ...and each worker's counters reach the status on their own refresh: wait for both sides'.
+        def counted() -> bool:
+            return _remote_prefills(split.url, "decode") >= 1 and _remote_prefills(split.url, "prefill") >= 1
+
+        wait_until(counted, split, "no remote prefill counted on both sides", 15)
         services = status_json(split.url)["services"]
         workers = [s for s in services if s["role"] in ("prefill", "decode", "colocated")]
         assert sorted(s["role"] for s in workers) == ["decode", "prefill"]
@@ -283,8 +288,8 @@ def chat(url: str, question: str) -> dict[str, Any]:
     return document
 
 
-def _remote_prefills(url: str) -> int:
-    """The decode workers' remote prefills, as `kvrelay status --json` reports them (a KeyError, at once,
-    if the status document does not carry the counter)."""
+def _remote_prefills(url: str, role: str) -> int:
+    """The remote prefills of the workers in `role` (decode: asked for; prefill: served), as `kvrelay
+    status --json` reports them (a KeyError, at once, if the status document does not carry the counter)."""
     services = status_json(url)["services"]
-    return sum(int(s["remote_prefills_total"]) for s in services if s["role"] == "decode")
+    return sum(int(s["remote_prefills_total"]) for s in services if s["role"] == role)
