@@ -3,8 +3,9 @@
 The schemas are vendored in tests/fixtures/openresponses (Apache-2.0; its NOTICE names the upstream
 commit), so a fresh clone needs nothing beside it. Every file under its `schema/components/schemas` is one
 JSON Schema whose `$ref`s name sibling files (`./ItemField.json`), so each is registered in a
-`referencing.Registry` under its own file URI and a relative ref resolves to the sibling's URI. Validation is Draft 2020-12 (the
-schemas carry no `$schema`; OpenAPI keywords such as `discriminator` are ignored as unknown keywords).
+`referencing.Registry` under its own file URI and a relative ref resolves to the sibling's URI.
+Validation is Draft 2020-12 (the schemas carry no `$schema`; OpenAPI keywords such as `discriminator` are
+ignored as unknown keywords).
 
     validate("ResponseResource", body)      # raises SchemaMismatchError naming the failing path
     validate_stream_event(event)             # picks the `*StreamingEvent` schema by the event's `type`
@@ -46,9 +47,7 @@ def schema_uri(component: str) -> str:
 def _schemas() -> dict[str, dict[str, Any]]:
     """Every component schema by name (the file name without `.json`)."""
     if not SCHEMA_DIR.is_dir():
-        raise FileNotFoundError(
-            f"the vendored Open Responses schemas are missing at {SCHEMA_DIR}"
-        )
+        raise FileNotFoundError(f"the vendored Open Responses schemas are missing at {SCHEMA_DIR}")
     return {
         path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(SCHEMA_DIR.glob("*.json"))
     }
