@@ -36,6 +36,7 @@ like the torch transport, this assumes the replicas trust each other (internal t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -288,9 +289,8 @@ async def _wire_checksum(kv: torch.Tensor) -> int:
 
 
 def _checksum_on(stream: torch.cuda.Stream | None, kv: torch.Tensor) -> int:
-    if stream is None:  # host memory: no stream to follow (torch.cuda.stream(None) would start CUDA)
-        return kv_checksum(_wire_bytes(kv))
-    with torch.cuda.stream(stream):
+    # Host memory has no stream to follow (and torch.cuda.stream(None) would start CUDA).
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
         return kv_checksum(_wire_bytes(kv))
 
 
