@@ -12,8 +12,17 @@ PORT ?= 8000
 # make serve's shape: disaggregated (1 prefill + 1 decode worker, threads split) or colocated
 MODE ?= disaggregated
 PYTEST_ARGS ?=
+# Python caches the bytecode of kvrelay's modules (and pytest its rewritten test modules) in __pycache__:
+# the suite starts hundreds of processes that import the same code, and a shell that sets
+# PYTHONDONTWRITEBYTECODE would have each of them compile it all again.
+unexport PYTHONDONTWRITEBYTECODE
+# Test processes (pytest-xdist), each with one torch thread; tests marked `exclusive` run alone
+# (tests/exclusive.py). 0 runs everything in this one process.
+TEST_WORKERS ?= 2
+LINT_STAMP := $(VENV)/.linted
+LINT_INPUTS := $(shell find services tests scripts -name '*.py') pyproject.toml
 
-.PHONY: setup serve test lint unit bench fixtures protos clean
+.PHONY: setup serve test-setup test lint unit bench fixtures protos clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -36,14 +45,24 @@ $(GEMMA_STAMP): $(STAMP)
 serve: setup
 	$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE)
 
-lint: $(STAMP)
+# Incremental: runs again only when a Python file or pyproject.toml changed since it last passed (ruff and
+# mypy keep their own caches for the files that did not).
+lint: $(LINT_STAMP)
+
+$(LINT_STAMP): $(STAMP) $(LINT_INPUTS)
 	$(VENV)/bin/ruff check services tests scripts
 	$(VENV)/bin/ruff format --check services tests scripts
 	$(VENV)/bin/mypy services
+	touch $@
 
-test: setup $(GEMMA_STAMP) lint
+# What the tests need beside `setup`: the second model.
+test-setup: setup $(GEMMA_STAMP)
+
+# The two model preparations and lint run side by side (each target's output kept together), then the tests.
+test: $(STAMP)
+	$(MAKE) --no-print-directory --jobs=3 --output-sync=target test-setup lint
 	KVRELAY_TEST_MODEL_DIR=$(CURDIR)/$(MODEL_DIR) KVRELAY_TEST_GEMMA_DIR=$(CURDIR)/$(GEMMA_DIR) \
-		$(PY) -m pytest -q $(PYTEST_ARGS)
+		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

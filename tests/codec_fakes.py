@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -28,6 +27,7 @@ from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig, LimitsConfig
 from services.common.manifest import load_verified_manifest
 from services.common.outputs import FinishReason, TokenLogprob
+from tests.ports import free_port as free_port  # re-exported: the codec tests take ports here
 
 MODEL_NAME = "smollm2-test"
 MAX_CONTEXT = 2048
@@ -186,12 +186,6 @@ def make_app(
     tokenizer: Tokenizer, backend: FakeBackend, identity: CodecIdentity, config: KvrelayConfig | None = None
 ) -> FastAPI:
     return create_app(backend, tokenizer, config or make_config(), identity)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.ports import free_port as free_port  # re-exported: the integration tests take ports here
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KVRELAY = [sys.executable, "-m", "services.cli.main"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:

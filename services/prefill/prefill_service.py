@@ -101,10 +101,12 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
                 async with contextlib.aclosing(sender.chunks(request, output.kv, self.layout)) as chunks:
                     async for chunk in chunks:
                         num_bytes += chunk.num_tokens * self.layout.bytes_per_token
-                        yield kvpb.PrefillResponse(chunk=chunk)
-                        if chunk.index + 1 == header.num_chunks:  # counted now: a sender may hold on
-                            self.counters.bytes_total += num_bytes  # (ipc) until the caller hangs up
+                        if chunk.index + 1 == header.num_chunks:
+                            # Counted as the last chunk is handed over: the caller may hang up as soon
+                            # as it has it, and this generator is then closed at the yield below.
+                            self.counters.bytes_total += num_bytes
                             self.counters.remote_prefills_total += 1
+                        yield kvpb.PrefillResponse(chunk=chunk)
         except InvalidRequestError as exc:
             error = exc
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

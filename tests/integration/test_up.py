@@ -7,10 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.ports import free_port_run
 
 pytestmark = pytest.mark.model
 
@@ -86,20 +85,6 @@ def is_alive(pid: int) -> bool:
     return True
 
 
-def free_base_port(num_ports: int) -> int:
-    """A base port with `num_ports` consecutive free ports above it."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        try:
-            for port in range(base, base + num_ports):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports found")
-
-
 def wait_until(condition: Callable[[], bool], stack: UpStack, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -128,7 +113,7 @@ def start_up(
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "config.yaml"
     config.write_text(config_text)
-    base = 0 if free_ports else free_base_port(3)
+    base = 0 if free_ports else free_port_run(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")} | {"PYTHONUNBUFFERED": "1"}
     argv = ["up", "--port", str(base), "--model", str(model_dir), "--config", str(config), *extra]
     log_path = workdir / "up.log"

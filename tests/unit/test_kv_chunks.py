@@ -17,6 +17,7 @@ from services.kvtransfer.chunks import (
     to_bytes,
     tokens_per_chunk,
 )
+from services.kvtransfer.transport import GrpcReceiver
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 LAYOUT = Layout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
@@ -117,3 +118,17 @@ def test_assembler_refuses_another_layout_or_dtype() -> None:
     bad.dtype = "int3"
     with pytest.raises(KVTransferFault, match="dtype"):
         KVAssembler(header_for(item, layout=bad), LAYOUT)
+
+
+async def test_the_grpc_receiver_refuses_a_chunk_whose_bytes_changed_on_the_way() -> None:
+    """The default transport's bytes come in the stream: one flipped bit is a fault, never installed KV."""
+    item = export(0, 8)
+    receiver = GrpcReceiver()
+    request = kvpb.PrefillRequest()
+    (chunk,) = chunks_of(item)
+    assert torch.equal(await receiver.receive(request, chunk, LAYOUT), item.kv)
+    data = bytearray(chunk.data)
+    data[len(data) // 2] ^= 0x01
+    chunk.data = bytes(data)
+    with pytest.raises(KVTransferFault, match="chunk 0: checksum mismatch"):
+        await receiver.receive(request, chunk, LAYOUT)
