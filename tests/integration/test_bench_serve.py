@@ -20,7 +20,9 @@ from services.bench.serve.workload import PROTOCOLS
 from services.bench.spawn import UpSettings, UpStack, start_up_stack
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.model
+# Alone on the machine: the stack keeps its default 2 s step timeout, which a neighbour's load can push a
+# step of these bench runs past (a StepTimeoutError seen with a neighbour beside it).
+pytestmark = [pytest.mark.model, pytest.mark.exclusive]
 
 KVRELAY = [sys.executable, "-m", "services.cli.main"]
 RESULT_KEYS = {"url", "model", "protocol", "workload", "arrival", "max_tokens", "slo", "seed", "runs"}
