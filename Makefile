@@ -9,8 +9,9 @@ MODEL_STAMP := $(MODEL_DIR)/manifest.json
 GEMMA_DIR ?= models/gemma3-270m
 GEMMA_STAMP := $(GEMMA_DIR)/manifest.json
 PORT ?= 8000
-# make serve's shape: disaggregated (1 prefill + 1 decode worker, threads split) or colocated
-MODE ?= disaggregated
+# make serve's shape: auto is colocated (one worker on every core) below 4 cores, disaggregated (1 prefill +
+# 1 decode worker, the cores split between them) from 4 up; colocated or disaggregated names one outright
+MODE ?= auto
 PYTEST_ARGS ?=
 # Python caches the bytecode of kvrelay's modules (and pytest its rewritten test modules) in __pycache__:
 # the suite starts hundreds of processes that import the same code, and a shell that sets

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench and llama-completion (the plain-text completion tool: in this llama.cpp,
-# llama-cli is the chat front end of the server) from the llama-cpp-python source distribution on PyPI (the
-# only place this machine can get llama.cpp from), for `kvrelay bench engine --peer llama.cpp PATH` and
-# `kvrelay bench agreement LLAMA_COMPLETION` (docs/performance.md). Never run in CI: it downloads ~77 MB and
-# compiles for about 5 minutes on 2 cores.
+# Builds llama.cpp's llama-bench, llama-completion (the plain-text completion tool: in this llama.cpp,
+# llama-cli is the chat front end of the server) and llama-server (its OpenAI-compatible HTTP server,
+# which `kvrelay bench serve --url` drives beside a kvrelay stack) from the llama-cpp-python source
+# distribution on PyPI (the only place this machine can get llama.cpp from), for `kvrelay bench engine
+# --peer llama.cpp PATH` and `kvrelay bench agreement LLAMA_COMPLETION` (docs/performance.md). Never run
+# in CI: it downloads ~77 MB and compiles for about 6 minutes on 2 cores.
 #
-#   scripts/build_llama_bench.sh [OUT_DIR]        # default: build/llama.cpp; prints the two binaries
+#   scripts/build_llama_bench.sh [OUT_DIR]        # default: build/llama.cpp; prints the three binaries
 #
 # -DGGML_NATIVE=ON compiles for this CPU (as a user of llama.cpp would); the web UI download is switched off.
 set -euo pipefail
@@ -25,9 +26,10 @@ GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
 cmake -S "$OUT/src/vendor/llama.cpp" -B "$OUT/cmake" "${GENERATOR[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >/dev/null
-cmake --build "$OUT/cmake" -j "$(nproc)" --target llama-bench llama-completion
+cmake --build "$OUT/cmake" -j "$(nproc)" --target llama-bench llama-completion llama-server
 
 echo "$OUT/cmake/bin/llama-bench"
 echo "$OUT/cmake/bin/llama-completion"
+echo "$OUT/cmake/bin/llama-server"

@@ -130,3 +130,19 @@ def assert_follows_reference(
             diff = abs(logprob - float(reference[i, token_id]))
             assert diff <= logprob_atol, f"{where}: logprob of {token_id} off by {diff:.3f} nats"
     return num_flips
+
+
+def count_unpacking(monkeypatch: Any) -> dict[str, int]:
+    """Counts every call of the C kernels' block unpacking (`CpuKernels.dequantize`) from now on, under
+    "calls"; the calls still unpack."""
+    from services.engine.ops.cpu import CpuKernels
+
+    counter = {"calls": 0}
+    unpack = CpuKernels.dequantize
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counter["calls"] += 1
+        return unpack(*args, **kwargs)
+
+    monkeypatch.setattr(CpuKernels, "dequantize", counted)
+    return counter

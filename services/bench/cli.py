@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from services.bench import agreement, engine, grammar, peers, stack
+from services.bench import agreement, engine, grammar, peers, stack, threshold
 from services.bench.admission import command as admission
 from services.bench.routing import command as routing
 from services.bench.serve import command as serve
@@ -17,7 +17,19 @@ from services.bench.serve import compare
 from services.bench.transfer import command as transfer
 
 Handler = Callable[[argparse.Namespace], int]
-SUBCOMMANDS = (engine, agreement, stack, transfer, routing, serve, compare, admission, peers, grammar)
+SUBCOMMANDS = (
+    engine,
+    agreement,
+    stack,
+    transfer,
+    routing,
+    serve,
+    compare,
+    admission,
+    peers,
+    grammar,
+    threshold,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

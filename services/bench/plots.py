@@ -52,6 +52,20 @@ def _scaled(values: Sequence[float | None], factor: float) -> list[float | None]
     return [None if v is None else factor * v for v in values]
 
 
+def line_chart(xs: Sequence[float], series: Series, xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    """One line per series over `xs` (log-scaled x), markers at the points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in series.items():
+        ax.plot(xs, values, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    _save(fig, path, 110)
+
+
 # -- bench engine --------------------------------------------------------------------------------------
 
 
@@ -108,11 +122,14 @@ def plot_stack(result: dict[str, Any], path: Path) -> None:
         "engine alone": [r["tok_s"] for r in result["engine"]["rounds"]],
     }
     medians = [result["stack"]["decode_tok_s"], result["engine"]["decode"][c]["tok_s"]]
+    if "peer" in result:
+        sides[result["peer"]["name"]] = [r["decode_tok_s"] for r in result["peer"]["rounds"]]
+        medians.append(result["peer"]["decode_tok_s"])
     if "transformers" in result:
         sides["transformers bf16"] = [result["transformers"]["decode"][c]["tok_s"]]
         medians.append(result["transformers"]["decode"][c]["tok_s"])
     names = list(sides)
-    bars = ax1.bar(names, medians, color=["C0", "C2", "C1"][: len(names)])
+    bars = ax1.bar(names, medians, color=[f"C{i}" for i in range(len(names))])
     ax1.bar_label(bars, fmt="%.0f", fontsize=8)
     for i, values in enumerate(sides.values()):
         ax1.plot([i] * len(values), values, "k.", markersize=5)

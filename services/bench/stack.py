@@ -3,6 +3,7 @@ transformers' bf16 batch `generate`, in one run.
 
 1. C concurrent streaming chat requests (ignore_eos, N tokens each) against `--url`. Aggregate decode
    tok/s counts the tokens that arrive after every stream has its first token, over that window.
+   `--peer-url` streams the same requests to another server (llama.cpp's `llama-server`) in each round.
 2. Our engine in this process at concurrency C (as `kvrelay bench engine` measures it).
 3. transformers' bf16 `generate` at batch C (the same baseline as `kvrelay bench engine`).
 The sides run one after another, so none competes with another for the CPU; the stack and the engine
@@ -23,7 +24,10 @@ from typing import Any
 
 from services.bench.engine import QUESTIONS, build_engine, chat_prompts, measure_baseline, run_batch
 from services.bench.plots import plot_stack
+from services.bench.rounds import ratio_range
 from services.bench.stats import median_row
+
+LOOPBACK = ("http://127.", "http://localhost", "http://[::1]")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="stack/engine pairs; medians are reported")
+    p.add_argument(
+        "--peer-url",
+        default=None,
+        help="another OpenAI-compatible server on loopback (llama.cpp's llama-server), streamed to the same "
+        "way in each round, after the stack and the engine",
+    )
+    p.add_argument("--peer-name", default="llama-server", help="what to call the peer in the output")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
@@ -42,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
-        raise SystemExit("kvrelay bench stack only targets loopback URLs")
+    for url in (args.url, args.peer_url or args.url):
+        if not url.startswith(LOOPBACK):
+            raise SystemExit("kvrelay bench stack only targets loopback URLs")
     result: dict[str, Any] = {"concurrency": args.concurrency, "new_tokens": args.new_tokens}
     result.update(_measure_in_process(args))
     _print(result)
@@ -126,15 +138,24 @@ def _measure_in_process(args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(side_args, args.concurrency)
     stack_rounds: list[dict[str, float]] = []
     engine_rounds: list[dict[str, float]] = []
+    peer_rounds: list[dict[str, float]] = []
     for i in range(max(1, args.rounds)):
         stack_rounds.append(asyncio.run(_measure_stack(args.url, args.concurrency, args.new_tokens)))
         engine_rounds.append(run_batch(engine, prompts, args.new_tokens, f"round{i}"))
+        if args.peer_url:
+            peer_rounds.append(asyncio.run(_measure_stack(args.peer_url, args.concurrency, args.new_tokens)))
     del engine
     c = str(args.concurrency)
     out: dict[str, Any] = {
         "stack": {**median_row(stack_rounds, "decode_tok_s"), "rounds": stack_rounds},
         "engine": {"decode": {c: median_row(engine_rounds, "tok_s")}, "rounds": engine_rounds},
     }
+    if peer_rounds:
+        out["peer"] = {
+            "name": args.peer_name,
+            **median_row(peer_rounds, "decode_tok_s"),
+            "rounds": peer_rounds,
+        }
     if not args.no_baseline:
         out["transformers"] = measure_baseline(side_args, prompts, prefill, [args.concurrency])
     return out
@@ -147,7 +168,15 @@ def _print(result: dict[str, Any]) -> None:
     rounds = len(result["stack"]["rounds"])
     print(f"concurrency {c}, {result['new_tokens']} tokens per stream, medians of {rounds} rounds")
     print(f"stack decode tok/s        {stack:8.1f}   (e2e {result['stack']['e2e_tok_s']:.1f})")
-    print(f"engine decode tok/s       {engine:8.1f}   stack/engine {stack / engine:.2f}")
+    stack_rates = [r["decode_tok_s"] for r in result["stack"]["rounds"]]
+    engine_rates = [r["tok_s"] for r in result["engine"]["rounds"]]
+    spread = ratio_range(stack_rates, engine_rates, ".2f")
+    print(f"engine decode tok/s       {engine:8.1f}   stack/engine {stack / engine:.2f}{spread}")
+    if "peer" in result:
+        peer, name = result["peer"]["decode_tok_s"], result["peer"]["name"]
+        peer_rates = [r["decode_tok_s"] for r in result["peer"]["rounds"]]
+        spread = ratio_range(stack_rates, peer_rates, ".2f")
+        print(f"{name + ' decode tok/s':<26}{peer:8.1f}   stack/{name} {stack / peer:.2f}{spread}")
     if "transformers" in result:
         base = result["transformers"]["decode"][c]["tok_s"]
         print(f"transformers bf16 tok/s   {base:8.1f}   stack/transformers {stack / base:.2f}")

@@ -5,7 +5,9 @@ answer is one clear line on stderr and exit code 1.
 
 Workers show their role (colocated, prefill or decode) and, in a disaggregated stack, their KV transfer
 counters: bytes sent (prefill) or received (decode), remote prefills, and remote prefills that fell back
-to a local recompute. `--json` prints the codec's document unchanged.
+to a local recompute. Each worker also shows the weights it serves (model.weights resolved, the largest
+step its C kernels take, the weights' resident bytes) and how many engine steps took each path (the C
+kernels, torch's GEMMs). `--json` prints the codec's document unchanged.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ COLUMNS = (
     "PREFIX HITS/QUERIES",
     "KV XFER BYTES",
     "REMOTE/FALLBACKS",
+    "WEIGHTS",
+    "STEPS KERNELS/GEMM",
 )
 
 
@@ -116,7 +120,29 @@ def _row(service: Mapping[str, Any]) -> list[str]:
         "/".join(_cell(prefix.get(key)) for key in ("hits", "queries")),
         _cell(service.get("kv_transfer_bytes_total")),
         "/".join(_cell(service.get(key)) for key in ("remote_prefills_total", "prefill_fallbacks_total")),
+        _weights_cell(service),
+        _steps_cell(service.get("steps_by_path")),
     ]
+
+
+def _weights_cell(service: Mapping[str, Any]) -> str:
+    """e.g. "gguf-hybrid(<=12,349MB)": the weights served, the largest step the C kernels take, and the
+    weights' resident bytes."""
+    weights = service.get("weights")
+    if weights is None:
+        return "-"
+    details = []
+    if service.get("small_step_max_tokens"):
+        details.append(f"<={service['small_step_max_tokens']}")
+    if service.get("weight_bytes"):
+        details.append(f"{service['weight_bytes'] / 2**20:.0f}MB")
+    return f"{weights}({','.join(details)})" if details else str(weights)
+
+
+def _steps_cell(steps: Mapping[str, int] | None) -> str:
+    if steps is None:
+        return "-"
+    return f"{steps.get('kernels', 0)}/{steps.get('gemm', 0)}"
 
 
 def _cell(value: object) -> str:

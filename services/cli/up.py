@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 COLOCATED = "colocated"
 DISAGGREGATED = "disaggregated"
 MODES = (COLOCATED, DISAGGREGATED)
+AUTO = "auto"
+# `--mode auto` disaggregates from this many cores up. Below it, 1 prefill + 1 decode worker would each get
+# 1 thread on 2 cores, which costs a single stream's decode ~1.3x against one colocated worker on both
+# (docs/performance.md, "The whole stack on one machine"); P/D's isolation of decode from long prompts pays
+# off where each pool keeps at least 2 threads.
+DISAGGREGATE_FROM_CORES = 4
 PREFILL = "prefill"
 DECODE = "decode"
 INTERNAL_HOST = "127.0.0.1"
@@ -104,8 +110,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--mode",
         default=COLOCATED,
-        help="deployment shape: colocated (default; each worker prefills and decodes) or disaggregated "
-        "(prefill workers and decode workers; `make serve` uses it)",
+        help="deployment shape: colocated (default; each worker prefills and decodes), disaggregated "
+        f"(prefill workers and decode workers), or auto (`make serve`: disaggregated from "
+        f"{DISAGGREGATE_FROM_CORES} cores up, else colocated)",
     )
     p.add_argument("--workers", type=int, default=None, help="number of colocated workers (default 1)")
     p.add_argument(
@@ -292,9 +299,19 @@ def public_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def resolve_mode(mode: str, num_cores: int) -> str:
+    """`--mode` with auto resolved: disaggregated from DISAGGREGATE_FROM_CORES cores up, else colocated."""
+    if mode != AUTO:
+        return mode
+    return DISAGGREGATED if num_cores >= DISAGGREGATE_FROM_CORES else COLOCATED
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging("up")
-    workers = plan_workers(args.mode, args.workers, args.prefill_replicas, args.decode_replicas)
+    mode = resolve_mode(args.mode, available_cores())
+    if mode != args.mode:
+        log.info("--mode auto", extra={"mode": mode, "cores": available_cores()})
+    workers = plan_workers(mode, args.workers, args.prefill_replicas, args.decode_replicas)
     if args.grace_seconds < 0:
         raise UpError(f"--grace-seconds must be 0 or more, got {args.grace_seconds}")
     cfg = share_one_gpu(load_config(args.config), len(workers))
@@ -317,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
             threads_per_worker=threads_per_worker(available_cores(), len(workers)),
             env=child_env(os.environ, secrets.token_urlsafe(32)),
             grpc_port=args.grpc_port,
-            mode=args.mode,
+            mode=mode,
             worker_roles=tuple(w.role for w in workers),
             tls=cfg.internal_tls,
         )

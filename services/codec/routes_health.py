@@ -24,6 +24,7 @@ from services.codec.state import CodecState, codec_state
 KV_BLOCK_KEYS = ("total", "active", "cached", "free")
 PREFIX_CACHE_KEYS = ("queries", "hits")
 TRANSFER_KEYS = ("kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total")
+WORKER_KEYS = (*TRANSFER_KEYS, "weights", "small_step_max_tokens", "weight_bytes", "steps_by_path")
 
 router = APIRouter()
 
@@ -102,7 +103,7 @@ def _status_body(service: ServiceStatus) -> dict[str, Any]:
     body = asdict(service)
     body["kv_blocks"] = {key: int(service.kv_blocks.get(key, 0)) for key in KV_BLOCK_KEYS}
     body["prefix_cache"] = {key: int(service.prefix_cache.get(key, 0)) for key in PREFIX_CACHE_KEYS}
-    for key in TRANSFER_KEYS:  # workers only: the codec and the router have no KV transfer counters
+    for key in WORKER_KEYS:  # workers only: the codec and the router have no KV transfers or weights
         if body[key] is None:
             del body[key]
     return body

@@ -44,9 +44,13 @@ class ModelConfig(_Section):
     # Which weights the engine loads (services/engine/loader.py): safetensors, the prepared directory's
     # float weights in model.dtype; gguf, the GGUF's Q4_1/Q8_0 blocks as stored (model.gguf, kept by
     # `kvrelay models prepare`), run by the CPU kernels with fp32 activations; gguf-int8, the same with
-    # the decode kernels on int8 activations; auto: gguf-int8 where the blocks are faster at every batch
-    # size (a CPU that emulates bf16 matmuls, dtype auto), else safetensors (loader.choose_weights).
-    weights: Literal["auto", "safetensors", "gguf", "gguf-int8"] = "auto"
+    # the small steps' kernels on int8 activations (large steps unpack each matrix per step); gguf-hybrid,
+    # gguf-int8's small steps and, for steps over engine.small_step_max_tokens, a GEMM over a copy of the
+    # blocks unpacked once at load (bf16 where the CPU multiplies bf16 in hardware, else fp32); auto:
+    # gguf-hybrid wherever the blocks can run (an x86 CPU with AVX2/FMA/F16C, a Llama-family directory
+    # that kept its GGUF, dtype and attention auto) and host memory holds both copies, gguf-int8 where it
+    # holds only the blocks, else safetensors (loader.choose_weights).
+    weights: Literal["auto", "safetensors", "gguf", "gguf-int8", "gguf-hybrid"] = "auto"
 
 
 class EngineConfig(_Section):
@@ -56,6 +60,10 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(default=None, ge=1)
+    # Steps of up to this many tokens run every layer in one call into the C kernels; larger ones take
+    # torch's GEMMs. Unset: under model.weights gguf-hybrid, the shipped table's entry for this CPU and
+    # num_threads (services/engine/ops/step_thresholds.json, `kvrelay bench threshold`); else 64.
+    small_step_max_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0)
     # auto: the first visible CUDA device, else the CPU (services/engine/device.py).

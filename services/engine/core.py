@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,6 +94,18 @@ class EngineStats:
     num_steps: int
     num_aborted: int = 0  # requests an abort took out while still live (cancel, deadline, shutdown)
     num_generated_tokens: int = 0  # tokens sampled here, every request and sample together
+    # Steps by the path the model's layers took (models/llama.py STEP_PATHS); empty for a family with one
+    steps_by_path: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """What the model is served from, for the worker's info, its metrics and `kvrelay status`."""
+
+    weights: str  # model.weights, auto resolved
+    weight_bytes: int  # resident bytes of every copy of the weights held
+    small_step_max_tokens: int | None = None  # steps up to this many tokens run the C kernels; None: none
+    small_step_source: str = ""  # where that number came from (ops/step_threshold.py)
 
 
 class EngineCore:
@@ -109,6 +121,7 @@ class EngineCore:
         max_model_len: int,
         overlap: bool = False,
         grammars: GrammarMatchers | None = None,
+        served: ServedWeights | None = None,
     ) -> None:
         """`scheduler` brings the KV cache manager and block pool it schedules over; `runner` computes
         steps over KV blocks of the same pool and block size. `overlap`: see the module docstring.
@@ -129,6 +142,7 @@ class EngineCore:
         self.num_aborted = 0
         self.overlap = overlap
         self.grammars = grammars
+        self.served = served or ServedWeights("safetensors", 0)
         self._in_flight: _InFlight | None = None
 
     @classmethod
@@ -417,6 +431,7 @@ class EngineCore:
             num_steps=self.num_steps,
             num_aborted=self.num_aborted,
             num_generated_tokens=self.scheduler.num_generated_tokens,
+            steps_by_path=dict(getattr(getattr(self.runner, "model", None), "num_steps_by_path", {})),
         )
 
     def check_invariants(self) -> None:

@@ -26,7 +26,7 @@ from services.common.sampling import MAX_LOGPROBS, SamplingParams
 from services.engine.attention import RowSpec, build_metadata, to_device
 from services.engine.attention_backend import PagedAttention, TorchAttention
 from services.engine.block_pool import BlockPool
-from services.engine.core import EngineCore
+from services.engine.core import EngineCore, ServedWeights
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
 from services.engine.device import (
     CudaMemoryProbe,
@@ -88,6 +88,7 @@ def assemble_core(
     plan_blocks: BlockPlanner | None = None,
     device: torch.device | None = None,
     grammars: GrammarMatchers | None = None,
+    served: ServedWeights | None = None,
 ) -> EngineCore:
     """Plan the KV cache (within `engine.kv_cache_memory_mb` unless `plan_blocks` says otherwise), then
     build the scheduler and the runner."""
@@ -102,8 +103,9 @@ def assemble_core(
     on_gpu = device is not None and device.type == "cuda"
     overlap = on_gpu if engine.overlap is None else engine.overlap
     return EngineCore(
-        config, manifest, scheduler, runner, max_model_len=max_model_len, overlap=overlap, grammars=grammars
-    )
+        config, manifest, scheduler, runner, max_model_len=max_model_len, overlap=overlap, grammars=grammars,
+        served=served,
+    )  # fmt: skip
 
 
 def build_core(config: KvrelayConfig) -> EngineCore:
@@ -129,6 +131,8 @@ def build_core(config: KvrelayConfig) -> EngineCore:
         block_size=engine.block_size,
         weights=model.weights,
         kv_cache_dtype=engine.kv_cache_dtype,
+        small_step_max_tokens=engine.small_step_max_tokens,
+        kv_cache_bytes=engine.kv_cache_memory_mb * 2**20 if device.type == "cpu" else 0,
     )
     grammars = GrammarMatchers(
         Path(model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size
@@ -211,6 +215,17 @@ def build_core_from_loaded(
         plan_blocks=plan_blocks,
         device=device,
         grammars=grammars,
+        served=served_weights(loaded),
+    )
+
+
+def served_weights(loaded: LoadedModel) -> ServedWeights:
+    threshold = loaded.step_threshold
+    return ServedWeights(
+        loaded.weights,
+        loaded.weight_bytes,
+        None if threshold is None else threshold.max_tokens,
+        "" if threshold is None else threshold.source,
     )
 
 

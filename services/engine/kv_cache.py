@@ -52,6 +52,12 @@ def check_host_memory(weight_bytes: int, kv_bytes: int) -> None:
         )
 
 
+def fits_host_memory(num_bytes: int) -> bool:
+    """Whether `num_bytes` more fit the memory the host has available (True where that is unknown)."""
+    available = _mem_available_bytes()
+    return available is None or num_bytes <= available
+
+
 def _mem_available_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:

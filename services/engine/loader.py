@@ -20,15 +20,20 @@ from safetensors.torch import load_file
 from services.common.errors import ConfigError, CorruptModelError, ModelLoadError, ModelNotFoundError
 from services.common.manifest import GGUF_WEIGHTS_NAME, UNKNOWN_FINGERPRINT, Manifest, load_verified_manifest
 from services.engine.gguf_weights import BLOCK_ARCHITECTURES, load_gguf_weights
+from services.engine.kv_cache import fits_host_memory
 from services.engine.kv_export import dtype_name
 from services.engine.models.config import ModelConfig
 from services.engine.models.registry import CausalLM, build_model
+from services.engine.ops import step_threshold
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul
+from services.engine.ops.quant import QuantizedWeight
+from services.engine.ops.step_threshold import StepThreshold
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-WEIGHT_CHOICES = ("safetensors", "gguf", "gguf-int8")  # model.weights besides auto
+WEIGHT_CHOICES = ("safetensors", "gguf", "gguf-int8", "gguf-hybrid")  # model.weights besides auto
+BLOCK_CHOICES = ("gguf", "gguf-int8", "gguf-hybrid")  # the GGUF blocks kept as stored, on the C kernels
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,15 @@ class Precision:
     weights: torch.dtype
     compute: torch.dtype
     blocks: bool = False
+    unpacked: torch.dtype | None = None  # gguf-hybrid: the blocks' load-time copy for large steps
 
     def describe(self) -> str:
         names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if self.blocks and self.unpacked is not None:
+            return (
+                f"GGUF blocks (Q4_1, Q8_0) for small steps and a {names[self.unpacked]} copy unpacked at "
+                f"load for large ones, {names[self.compute]} compute"
+            )
         if self.blocks:
             return f"GGUF blocks (Q4_1, Q8_0) as stored, {names[self.compute]} compute"
         if self.weights == self.compute:
@@ -59,27 +70,21 @@ def choose_weights(
     attention: str = "auto",
     flags: frozenset[str] | None = None,
 ) -> str:
-    """`model.weights` resolved. "auto" takes the GGUF blocks with int8 activations (gguf-int8) where they
-    are faster at every batch size and prefill: a CPU whose bf16 matrix multiplies are emulated (no
-    AVX512-BF16 or AMX), with `model.dtype` and `engine.attention` auto, serving a Llama-family directory
-    that kept its GGUF (`kvrelay models prepare` keeps it only when every tensor can stay in blocks).
-    Measured on a Sapphire Rapids VM held to AVX2 (docs/performance.md, "GGUF blocks"): prefill 663
-    against 617 tok/s, batch 1 144 against 71, batch 32 341 against 291; and its greedy continuations
-    match the fp32 model's at least as often as the bf16 weights'. On a Zen 2 EPYC (AVX2) prefill is
-    about 5% behind instead (353 against 372 tok/s, both in one process: the blocks unpack each matrix
-    for the same fp32 GEMM) while batch 1 is 1.75x and batch 32 1.1x, so auto takes the blocks there too
-    (and holds 97 MB of weights where the safetensors hold 807). On a Zen 3 EPYC (AVX2), with the one-token
-    products over row pairs: prefill 327 against 318, batch 1 119 against 53, batch 32 206 against 183.
-    Where bf16 runs in hardware (AMX), oneDNN's bf16 GEMM is 1.6x the int8 kernels at batch 32 and 2.7x
-    at prefill (1.5x and 2.1x through AVX512-BF16 on a Zen 4 EPYC), so auto keeps the safetensors there,
-    as on a GPU; the blocks' large steps unpack to bf16 there, which brings gguf-int8's prefill to 85% of
-    the safetensors' (773 against 905 on the Zen 4), while batch 32 stays behind (393 against 507)."""
+    """`model.weights` resolved. "auto" takes gguf-hybrid wherever the GGUF blocks can run: a CPU with the
+    C kernels' instruction sets, with `model.dtype` and `engine.attention` auto, serving a Llama-family
+    directory that kept its GGUF (`kvrelay models prepare` keeps it only when every tensor can stay in
+    blocks); load_model falls back to gguf-int8 where host memory cannot hold the unpacked copy too. One
+    format for the whole process loses somewhere (docs/performance.md, "GGUF blocks"): on a Zen 4 EPYC
+    (AVX512-BF16) the bf16 safetensors ran 905 / 41.7 / 507 tok/s (prefill / batch 1 / batch 32) and
+    gguf-int8 773 / 164.5 / 393, so the blocks win the small steps 4x and oneDNN's bf16 GEMM the large
+    ones; on AVX2 CPUs the blocks' int8 kernels win the small steps and an fp32 GEMM the large ones.
+    gguf-hybrid runs each step on the faster of the two (ops/step_threshold.py)."""
     if weights in WEIGHT_CHOICES:
         return weights
     if weights != "auto":
         raise ConfigError(f"model.weights {weights!r} is not one of auto, {', '.join(WEIGHT_CHOICES)}")
     cpu = cpu_flags() if flags is None else flags
-    blocks_win = (
+    blocks_run = (
         model_dir is not None
         and (Path(model_dir) / GGUF_WEIGHTS_NAME).is_file()
         and architecture in BLOCK_ARCHITECTURES
@@ -87,9 +92,8 @@ def choose_weights(
         and device == "cpu"
         and attention == "auto"
         and can_run_cpu_kernels(cpu)
-        and not has_native_bf16_matmul(cpu)
     )
-    return "gguf-int8" if blocks_win else "safetensors"
+    return "gguf-hybrid" if blocks_run else "safetensors"
 
 
 def weights_fingerprint(model_fingerprint: str, weights: str) -> str:
@@ -158,6 +162,8 @@ class LoadedModel:
     manifest: Manifest
     weight_bytes: int
     precision: Precision | None = None
+    weights: str = "safetensors"  # the model.weights served (auto resolved)
+    step_threshold: StepThreshold | None = None  # where small steps end, when the C kernels run them
 
 
 def load_model(
@@ -169,6 +175,8 @@ def load_model(
     block_size: int = 16,
     weights: str = "safetensors",  # model.weights
     kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype
+    small_step_max_tokens: int | None = None,  # engine.small_step_max_tokens
+    kv_cache_bytes: int = 0,  # the host KV cache to come (engine.kv_cache_memory_mb), for auto's memory check
 ) -> LoadedModel:
     """Verify the directory against its manifest, then build the model on `device` (the CPU by default),
     its layers on the paged attention `engine.attention` names (attention_backend.py) for KV blocks of
@@ -183,9 +191,10 @@ def load_model(
     chosen = choose_weights(
         weights, path, architecture=config.architecture, dtype=dtype, device=device.type, attention=attention
     )
-    if chosen != "safetensors":
+    if chosen in BLOCK_CHOICES:
+        options = _BlockOptions(chosen, weights == "auto", small_step_max_tokens, kv_cache_bytes)
         return _load_gguf_blocks(
-            path, manifest, config, dtype, device, attention, block_size, chosen, kv_cache_dtype
+            path, manifest, config, dtype, device, attention, block_size, kv_cache_dtype, options
         )
     precision = resolve_precision(dtype, device.type)
     tensors: dict[str, torch.Tensor] = {}
@@ -196,7 +205,18 @@ def load_model(
             raise CorruptModelError(f"cannot read weights {file.name}: {exc}") from exc
         tensors.update({name: t.to(precision.weights) for name, t in loaded.items()})
         del loaded
-    return _build(config, tensors, manifest, precision, dtype, attention, block_size, kv_cache_dtype)
+    return _build(
+        config, tensors, manifest, precision, dtype, attention, block_size, kv_cache_dtype,
+        small_step_max_tokens=small_step_max_tokens,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _BlockOptions:
+    weights: str  # gguf, gguf-int8 or gguf-hybrid
+    is_auto: bool  # chosen by model.weights auto: gguf-hybrid may fall back to gguf-int8 for memory
+    small_step_max_tokens: int | None  # engine.small_step_max_tokens
+    kv_cache_bytes: int
 
 
 def _load_gguf_blocks(
@@ -207,11 +227,13 @@ def _load_gguf_blocks(
     device: torch.device,
     attention: str,
     block_size: int,
-    weights: str,
     kv_cache_dtype: str,
+    options: _BlockOptions,
 ) -> LoadedModel:
     """The directory's GGUF (pinned by its manifest like every file) with its blocks kept as stored;
-    `weights` gguf-int8 runs the decode kernels on int8 activations."""
+    gguf-int8 and gguf-hybrid run the decode kernels on int8 activations, and gguf-hybrid also unpacks
+    the blocks once for the large steps (bf16 where the CPU multiplies bf16 in hardware, else fp32)."""
+    weights = options.weights
     gguf = path / GGUF_WEIGHTS_NAME
     if not gguf.is_file():
         raise ModelLoadError(
@@ -220,16 +242,34 @@ def _load_gguf_blocks(
         )
     if device.type != "cpu" or dtype == "bfloat16":
         raise ConfigError(
-            "model.weights gguf runs on the CPU kernels in float32: engine.device cpu, model.dtype auto "
-            "or float32"
+            f"model.weights {weights} runs on the CPU kernels in float32: engine.device cpu, model.dtype "
+            "auto or float32"
+        )
+    flags = cpu_flags()
+    if not can_run_cpu_kernels(flags):
+        raise ConfigError(
+            f"model.weights {weights} needs the CPU kernels, which need an x86 CPU with AVX2, FMA and F16C; "
+            "this CPU lacks them: set model.weights safetensors (or auto)"
         )
     blocks = load_gguf_weights(gguf, config)
+    unpacked = (
+        (torch.bfloat16 if has_native_bf16_matmul(flags) else torch.float32)
+        if weights == "gguf-hybrid"
+        else None
+    )
+    if unpacked is not None and options.is_auto:
+        weights, unpacked = _hybrid_or_blocks(blocks, unpacked, options.kv_cache_bytes)
+    threshold = (
+        step_threshold.resolve(options.small_step_max_tokens, flags, torch.get_num_threads())
+        if unpacked is not None
+        else None
+    )
     fingerprint = weights_fingerprint(manifest.model_fingerprint, weights)
     provenance = {**manifest.source, "weights": weights, "directory_fingerprint": manifest.model_fingerprint}
     served = dataclasses.replace(manifest, model_fingerprint=fingerprint, source=provenance)
-    precision = Precision(torch.float32, torch.float32, blocks=True)
-    int8 = weights == "gguf-int8"
-    return _build(
+    precision = Precision(torch.float32, torch.float32, blocks=True, unpacked=unpacked)
+    step_max = threshold.max_tokens if threshold is not None else options.small_step_max_tokens
+    loaded = _build(
         config,
         blocks,  # type: ignore[arg-type]
         served,
@@ -238,8 +278,33 @@ def _load_gguf_blocks(
         attention,
         block_size,
         kv_cache_dtype,
-        int8,
+        int8_activations=weights != "gguf",
+        small_step_max_tokens=step_max,
+        threshold=threshold,
     )
+    return dataclasses.replace(loaded, weights=weights)
+
+
+def _hybrid_or_blocks(
+    blocks: Mapping[str, Any], unpacked: torch.dtype, kv_cache_bytes: int
+) -> tuple[str, torch.dtype | None]:
+    """gguf-hybrid where host memory holds the blocks, their unpacked copy and the KV cache; else gguf-int8
+    (the blocks alone: the large steps unpack per step), said in the log."""
+    elem = torch.empty((), dtype=unpacked).element_size()
+    matrices = [w for w in blocks.values() if isinstance(w, QuantizedWeight)]
+    copy_bytes = sum(w.shape[0] * w.shape[1] for w in matrices) * elem
+    stored_bytes = sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * 4 for w in blocks.values())
+    if fits_host_memory(stored_bytes + copy_bytes + kv_cache_bytes):
+        return "gguf-hybrid", unpacked
+    log.warning(
+        "model.weights auto: gguf-int8, not gguf-hybrid: host memory cannot hold the unpacked copy too",
+        extra={
+            "unpacked_copy_bytes": copy_bytes,
+            "stored_bytes": stored_bytes,
+            "kv_cache_bytes": kv_cache_bytes,
+        },
+    )
+    return "gguf-int8", None
 
 
 def stored_weight_bytes(model_dir: str | Path, dtype: str, device: str = "cuda") -> int:
@@ -304,7 +369,10 @@ def _build(
     attention: str = "auto",
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
+    *,
     int8_activations: bool = False,
+    small_step_max_tokens: int | None = None,
+    threshold: StepThreshold | None = None,
 ) -> LoadedModel:
     model = build_model(
         config,
@@ -313,7 +381,11 @@ def _build(
         attention=attention,
         block_size=block_size,
         int8_activations=int8_activations,
+        unpacked_dtype=precision.unpacked,
+        small_step_max_tokens=small_step_max_tokens,
     )
+    if threshold is None and getattr(model, "kernels", None) is not None:
+        threshold = StepThreshold(model.small_step_max_tokens, _threshold_source(small_step_max_tokens))  # type: ignore[attr-defined]
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, model, int8_activations)
     if kv_dtype != model.kv_dtype:
         model.kv_dtype = kv_dtype
@@ -336,6 +408,12 @@ def _build(
             "precision": precision.describe(),
             "kv_cache_dtype": dtype_name(model.kv_dtype),
             "weight_bytes": weight_bytes,
+            "small_step_max_tokens": None if threshold is None else threshold.max_tokens,
+            "small_step_source": None if threshold is None else threshold.source,
         },
     )
-    return LoadedModel(model, config, manifest, weight_bytes, precision)
+    return LoadedModel(model, config, manifest, weight_bytes, precision, step_threshold=threshold)
+
+
+def _threshold_source(setting: int | None) -> str:
+    return step_threshold.SETTING if setting is not None else "the model family's default"

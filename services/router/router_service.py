@@ -374,6 +374,7 @@ class RouterStatusService(worker_pb2_grpc.RouterServicer):
                     address=r.address,
                     ready=r.usable,
                     load=r.load,
+                    info=r.info,
                 )
                 for r in self.replicas.replicas
             ]

@@ -55,17 +55,28 @@ class WorkerMetrics:
         for queued in queue_times:
             self.queue_seconds.observe(queued)
 
-    def watch(self, engine: AsyncEngine, counters: TransferCounters) -> None:
+    def watch(
+        self, engine: AsyncEngine, counters: TransferCounters, *, weight_bytes: int | None = None
+    ) -> None:
+        """Export the engine's stats and the transfer counters; `weight_bytes` (the resident bytes of the
+        model's weights, every copy) as a gauge when given."""
         counters.on_transfer = self.observe_transfer
-        self.registry.register(_EngineCollector(engine, counters, self.labels))
+        self.registry.register(_EngineCollector(engine, counters, self.labels, weight_bytes))
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, counters: TransferCounters, labels: dict[str, str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        counters: TransferCounters,
+        labels: dict[str, str],
+        weight_bytes: int | None,
+    ) -> None:
         self.engine = engine
+        self.weight_bytes = weight_bytes
         self.counters = counters
         self.names = list(labels)
         self.values = list(labels.values())
@@ -105,6 +116,21 @@ class _EngineCollector(Collector):
             "Tokens sampled by this worker's engine (on a prefill worker: each first token).",
             stats.num_generated_tokens,
         )
+        steps = CounterMetricFamily(
+            "kvrelay_engine_steps",
+            "Engine steps by the path the model's layers took: kernels (one C call over every layer, "
+            "small steps) or gemm (torch's matmuls, large steps).",
+            labels=[*self.names, "path"],
+        )
+        for path, value in sorted(stats.steps_by_path.items()):
+            steps.add_metric([*self.values, path], value)
+        yield steps
+        if self.weight_bytes is not None:
+            yield self._gauge(
+                "kvrelay_model_weight_bytes",
+                "Resident bytes of every copy of the model's weights the engine holds.",
+                self.weight_bytes,
+            )
         yield self._counter(
             "kvrelay_kv_transfer_bytes",
             "KV bytes sent (prefill) or received (decode).",

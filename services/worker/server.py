@@ -72,6 +72,10 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         role=role,
         name=name,
         dtype=dtype_name(core.weight_dtype),
+        weights=core.served.weights,
+        small_step_max_tokens=core.served.small_step_max_tokens or 0,
+        small_step_source=core.served.small_step_source,
+        weight_bytes=core.served.weight_bytes,
     )
 
 
@@ -135,7 +139,7 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     _keep_torch_single_threaded_here()
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
-    metrics.watch(engine, counters)
+    metrics.watch(engine, counters, weight_bytes=core.served.weight_bytes)
     if options.metrics_port is not None:
         metrics.serve(options.host, options.metrics_port)
     senders, receivers = _transports(config.disaggregation, core.device)

@@ -178,4 +178,5 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prefill_fallbacks_total=self.counters.fallbacks_total,
             requests_aborted_total=stats.num_aborted,
             generation_tokens_total=stats.num_generated_tokens,
+            steps_by_path=stats.steps_by_path,
         )

@@ -179,6 +179,9 @@ def test_up_starts_the_stack_and_status_lists_every_service(stack: UpStack) -> N
     kv = worker["kv_blocks"]
     assert isinstance(kv, dict) and set(kv) >= {"total", "active", "cached", "free"} and kv["total"] > 0
     assert {"queries", "hits"} <= set(worker["prefix_cache"])
+    # what the worker serves its model from, and its steps by path (the warm-up's at least)
+    assert worker["weights"] in ("gguf-hybrid", "gguf-int8", "safetensors") and worker["weight_bytes"] > 0
+    assert sum(worker["steps_by_path"].values()) >= 1
     table = subprocess.run([*KVRELAY, "status", "--url", stack.url], cwd=REPO_ROOT, capture_output=True)
     assert table.returncode == 0 and b"worker" in table.stdout
 

@@ -54,11 +54,11 @@ def test_worker_exports_engine_and_kv_metrics(tmp_path: Path) -> None:
             request = pb.GenerateRequest(
                 request_id="m1", prompt_token_ids=[3, 4, 5, 6] * 10, sampling=sampling_to_proto(params)
             )
-            list(
-                worker_pb2_grpc.WorkerStub(channel).Generate(
-                    request, metadata=(("authorization", f"Bearer {TOKEN}"),)
-                )
-            )
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            auth = (("authorization", f"Bearer {TOKEN}"),)
+            list(stub.Generate(request, metadata=auth))
+            info = stub.Info(pb.InfoRequest(), metadata=auth)
+            load = stub.Load(pb.LoadRequest(), metadata=auth)
         got = samples(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text)
     finally:
         proc.stop()
@@ -70,3 +70,11 @@ def test_worker_exports_engine_and_kv_metrics(tmp_path: Path) -> None:
     assert got[("kvrelay_kv_blocks", tuple(sorted((*labels, ("state", "cached")))))] >= 2  # our full blocks
     assert got[("kvrelay_worker_prefix_cache_query_tokens_total", labels)] >= 40
     assert ("kvrelay_kv_transfer_bytes_total", labels) in got
+    # fp32 safetensors: every step here (16 or 40 prompt tokens, decode) is small, so the C kernels ran it
+    kernels = got[("kvrelay_engine_steps_total", tuple(sorted((*labels, ("path", "kernels")))))]
+    assert kernels >= 5 + 1
+    assert got[("kvrelay_engine_steps_total", tuple(sorted((*labels, ("path", "gemm")))))] == 0
+    assert dict(load.steps_by_path) == {"kernels": kernels, "gemm": 0}
+    assert (info.weights, info.small_step_max_tokens) == ("safetensors", 64)
+    assert info.small_step_source == "the model family's default"
+    assert got[("kvrelay_model_weight_bytes", labels)] == info.weight_bytes > 0

@@ -340,6 +340,7 @@ class StubEngine:
             prefix_cache_hits=250,
             num_preemptions=1,
             num_steps=50,
+            steps_by_path={"kernels": 45, "gemm": 5},
         )
 
 
@@ -347,7 +348,7 @@ def scrape_worker() -> str:
     """A decode worker's `--metrics-port` registry after one step."""
     metrics = WorkerMetrics("decode", "decode-0")
     counters = TransferCounters(bytes_total=4096, remote_prefills_total=2, fallbacks_total=1)
-    metrics.watch(cast(AsyncEngine, StubEngine()), counters)
+    metrics.watch(cast(AsyncEngine, StubEngine()), counters, weight_bytes=365_000_000)
     metrics.observe_step(0.02, num_tokens=64, queue_times=[0.01])
     return generate_latest(metrics.registry).decode()
 

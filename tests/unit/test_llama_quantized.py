@@ -5,6 +5,7 @@ model keeps (no float copy of the projections)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.errors import ModelLoadError
-from services.engine.attention import RowSpec, build_metadata
+from services.engine.attention import AttentionMetadata, RowSpec, build_metadata
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaModel
 from services.engine.ops.build import load_cpu_kernels
-from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
+from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul
 from services.engine.ops.quant import QuantizedWeight, WeightFormat, quantize
+from tests.engine_helpers import count_unpacking
 from tests.tiny_model import make_tiny_llama
 
 BLOCK_SIZE = 4
@@ -66,6 +68,15 @@ def steps() -> list[tuple[list[RowSpec], list[RowSpec]]]:
     ]
 
 
+def step_inputs(vocab_size: int, seed: int) -> Iterator[tuple[AttentionMetadata, torch.Tensor, torch.Tensor]]:
+    """Each of `steps()` as (metadata, random token IDs, every token's logits index)."""
+    g = torch.Generator().manual_seed(seed)
+    for decode, prefill in steps():
+        meta = build_metadata(decode, prefill, BLOCK_SIZE)
+        token_ids = torch.randint(0, vocab_size, (meta.num_tokens,), generator=g)  # [num_tokens]
+        yield meta, token_ids, torch.arange(meta.num_tokens)  # [num_tokens] twice
+
+
 @pytest.mark.parametrize("small_step_max_tokens", [64, 0], ids=["kernel-path", "torch-path"])
 def test_blocks_give_the_logits_of_their_dequantized_values(tiny: Path, small_step_max_tokens: int) -> None:
     config = ModelConfig.from_dir(tiny)
@@ -76,11 +87,7 @@ def test_blocks_give_the_logits_of_their_dequantized_values(tiny: Path, small_st
     )
     assert quant.weight_format == WeightFormat.Q4_1_SPLIT  # the Q4_1 projections, regrouped at load
     quant_caches, plain_caches = caches(quant), caches(plain)
-    g = torch.Generator().manual_seed(0)
-    for decode, prefill in steps():
-        meta = build_metadata(decode, prefill, BLOCK_SIZE)
-        token_ids = torch.randint(0, config.vocab_size, (meta.num_tokens,), generator=g)  # [num_tokens]
-        logits_indices = torch.arange(meta.num_tokens)  # [num_tokens]
+    for meta, token_ids, logits_indices in step_inputs(config.vocab_size, 0):
         got = quant.forward(token_ids, quant_caches, meta, logits_indices)
         want = plain.forward(token_ids, plain_caches, meta, logits_indices)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -109,11 +116,7 @@ def test_int8_activations_stay_near_the_fp32_logits(tiny: Path) -> None:
     int8 = LlamaModel(config, weights, torch.float32, int8_activations=True)
     fp32 = LlamaModel(config, weights, torch.float32)
     int8_caches, fp32_caches = caches(int8), caches(fp32)
-    g = torch.Generator().manual_seed(1)
-    for decode, prefill in steps():
-        meta = build_metadata(decode, prefill, BLOCK_SIZE)
-        token_ids = torch.randint(0, config.vocab_size, (meta.num_tokens,), generator=g)  # [num_tokens]
-        logits_indices = torch.arange(meta.num_tokens)  # [num_tokens]
+    for meta, token_ids, logits_indices in step_inputs(config.vocab_size, 1):
         got = int8.forward(token_ids, int8_caches, meta, logits_indices)
         want = fp32.forward(token_ids, fp32_caches, meta, logits_indices)
         spread = float(want.max() - want.min())
@@ -124,3 +127,38 @@ def test_int8_activations_need_blocks(tiny: Path) -> None:
     weights = dequantized(blocks_of(tiny))
     with pytest.raises(ModelLoadError, match="int8"):
         LlamaModel(ModelConfig.from_dir(tiny), weights, torch.float32, int8_activations=True)
+
+
+def test_hybrid_large_steps_read_the_copy_unpacked_at_load(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gguf-hybrid: large steps give gguf-int8's logits bit for bit (it unpacks each matrix per step into a
+    buffer of the dtype this CPU's copy has), yet nothing is unpacked once the model is loaded; small steps
+    run the kernels, and each step is counted under its path."""
+    config = ModelConfig.from_dir(tiny)
+    weights = blocks_of(tiny)
+    dtype = torch.bfloat16 if has_native_bf16_matmul(cpu_flags()) else torch.float32
+    calls = count_unpacking(monkeypatch)
+    hybrid = LlamaModel(
+        config, weights, torch.float32, int8_activations=True, unpacked_dtype=dtype, small_step_max_tokens=2
+    )
+    per_step = LlamaModel(config, weights, torch.float32, int8_activations=True, small_step_max_tokens=2)
+    elem = torch.empty((), dtype=dtype).element_size()
+    matrices = [w for w in weights.values() if isinstance(w, QuantizedWeight)]
+    assert hybrid.unpacked_bytes == sum(w.shape[0] * w.shape[1] for w in matrices) * elem
+    assert hybrid.weight_bytes >= per_step.weight_bytes + hybrid.unpacked_bytes
+    hybrid_caches, per_step_caches = caches(hybrid), caches(per_step)
+    for meta, token_ids, logits_indices in step_inputs(config.vocab_size, 2):
+        before = calls["calls"]
+        got = hybrid.forward(token_ids, hybrid_caches, meta, logits_indices)
+        assert calls["calls"] == before, "a gguf-hybrid step unpacked a matrix"
+        want = per_step.forward(token_ids, per_step_caches, meta, logits_indices)
+        assert torch.equal(got, want)
+    assert calls["calls"] > 0  # gguf-int8's large steps did unpack: the counter sees it
+    assert hybrid.num_steps_by_path == {"kernels": 1, "gemm": 2}  # 12 tokens, then 2, then 5
+
+
+def test_load_time_unpacking_needs_blocks(tiny: Path) -> None:
+    weights = dequantized(blocks_of(tiny))
+    with pytest.raises(ModelLoadError, match="gguf-hybrid"):
+        LlamaModel(ModelConfig.from_dir(tiny), weights, torch.float32, unpacked_dtype=torch.float32)

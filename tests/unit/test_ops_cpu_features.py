@@ -68,17 +68,17 @@ def kept_gguf(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_auto_weights_take_the_int8_blocks_only_where_they_win_everywhere(kept_gguf: Path) -> None:
-    """The blocks beat the safetensors at every batch size where bf16 is emulated (docs/performance.md),
-    and lose batches and prefill to AMX: auto follows that, and anything the blocks cannot run on."""
+def test_auto_weights_take_the_hybrid_wherever_the_blocks_run(kept_gguf: Path) -> None:
+    """gguf-hybrid serves each step on the faster path for its size on every CPU with the kernels (the blocks
+    for small steps, a GEMM over their unpacked copy for large ones): auto takes it there, and the
+    safetensors wherever the blocks cannot run or a float dtype is asked for."""
     llama = "LlamaForCausalLM"
 
     def auto(model_dir: Path | None = kept_gguf, **given: object) -> str:
         settings: dict[str, object] = {"architecture": llama, "dtype": "auto", "device": "cpu", "flags": AVX2}
         return choose_weights("auto", model_dir, **{**settings, **given})  # type: ignore[arg-type]
 
-    assert auto() == "gguf-int8"
-    assert auto(flags=ZEN4) == auto(flags=SAPPHIRE_RAPIDS) == "safetensors"  # native bf16
+    assert auto() == auto(flags=ZEN4) == auto(flags=SAPPHIRE_RAPIDS) == "gguf-hybrid"
     assert auto(flags=frozenset({"sse4_2", "avx"})) == "safetensors"  # no kernels
     assert auto(dtype="float32") == auto(dtype="bfloat16") == "safetensors"  # a float dtype asked for
     assert auto(device="cuda") == auto(attention="torch") == "safetensors"

@@ -134,6 +134,13 @@ def test_disaggregated_puts_the_prefill_workers_first_then_the_decode_ones() -> 
     ]  # fmt: skip
 
 
+def test_auto_colocates_below_four_cores_and_disaggregates_from_four() -> None:
+    assert [up.resolve_mode("auto", n) for n in (1, 2, 3)] == ["colocated"] * 3
+    assert [up.resolve_mode("auto", n) for n in (4, 16)] == ["disaggregated"] * 2
+    assert up.resolve_mode("disaggregated", 2) == "disaggregated"  # a named shape is kept
+    assert up.resolve_mode("colocated", 64) == "colocated"
+
+
 @pytest.mark.parametrize(
     ("mode", "counts", "message"),
     [

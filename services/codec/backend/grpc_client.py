@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -132,4 +133,18 @@ def _replica_status(replica: pb.Replica) -> ServiceStatus:
         kv_transfer_bytes_total=load.kv_transfer_bytes_total,
         remote_prefills_total=load.remote_prefills_total,
         prefill_fallbacks_total=load.prefill_fallbacks_total,
+        steps_by_path=dict(load.steps_by_path),
+        **_weights_status(replica),
     )
+
+
+def _weights_status(replica: pb.Replica) -> dict[str, Any]:
+    """What the replica serves its model from, once the router has its info."""
+    if not replica.HasField("info") or not replica.info.weights:
+        return {}
+    info = replica.info
+    return {
+        "weights": info.weights,
+        "small_step_max_tokens": info.small_step_max_tokens or None,
+        "weight_bytes": info.weight_bytes,
+    }

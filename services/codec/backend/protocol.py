@@ -84,6 +84,12 @@ class ServiceStatus:
     kv_transfer_bytes_total: int | None = None
     remote_prefills_total: int | None = None
     prefill_fallbacks_total: int | None = None
+    # Workers only (None elsewhere): the model.weights served, where small steps end (C kernels) and the
+    # resident bytes of the weights, from the worker's info; engine steps by path (kernels, gemm).
+    weights: str | None = None
+    small_step_max_tokens: int | None = None
+    weight_bytes: int | None = None
+    steps_by_path: dict[str, int] | None = None
 
 
 class Backend(Protocol):

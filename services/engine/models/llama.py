@@ -20,7 +20,11 @@ Weights may also come as GGUF blocks (`QuantizedWeight`, Q8_0 or Q4_1: services/
 kept as stored (each row's bytes regrouped at load, quant.split): the C kernels multiply by them directly,
 the torch path unpacks one matrix at a time into a reused fp32 buffer (`_BlockLinear`; bf16 with int8
 activations on a CPU with bf16 in hardware, for oneDNN's bf16 GEMM), and embeddings are unpacked per
-looked-up row. That needs the C kernels and fp32 compute; no copy of the weights in another format is kept.
+looked-up row. That needs the C kernels and fp32 compute. With `unpacked_dtype` (model.weights
+gguf-hybrid) every block matrix is also unpacked once, at load, into that dtype (prepacked for oneDNN when
+bf16), and the torch path multiplies by that copy (`_UnpackedLinear`): no per-step unpacking, at the cost
+of a second copy of the weights in memory. Either way a token's rounding depends on the size of the step
+it is computed in (int8 activations and blocks below the threshold, a GEMM above it).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ from services.engine.rope import RotaryEmbedding
 # Steps up to this many tokens take the C kernels: on an AVX2 Zen 3 they beat MKL's fp32 GEMM up to
 # M = 64 to 96 tokens (docs/performance.md), so decode batches up to 64 stay on them.
 SMALL_STEP_MAX_TOKENS = 64
+# The two paths a step's layers take, as counted in LlamaModel.num_steps_by_path: every layer in one call
+# into the C kernels (small steps), or torch's GEMMs and attention one op at a time (large steps).
+STEP_PATHS = ("kernels", "gemm")
 # ...unless their prefill rows attend over long contexts: the kernel attends query by query and rereads
 # the context per query, where SDPA works in tiles (a 64-token chunk at position 4000: 40 ms a layer
 # against 12 ms). Decode rows always stay on the kernel: it beats a padded gather plus SDPA 5 to 6 times.
@@ -138,6 +145,24 @@ class _BlockLinear:
         return y if self.bias is None else y + self.bias
 
 
+class _UnpackedLinear:
+    """y = x @ w.T (+ bias) for GGUF blocks unpacked once at load into `dtype` (gguf-hybrid's large steps):
+    oneDNN's GEMM over the prepacked copy, x rounded to `dtype` on the way in, fp32 sums and output; the
+    same bits as `_BlockLinear` with a buffer of that dtype."""
+
+    def __init__(
+        self, kernels: CpuKernels, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        unpacked = kernels.dequantize(weight, dtype=dtype)  # [N, K]
+        self.nbytes = unpacked.numel() * unpacked.element_size()
+        self.dtype, self.bias = dtype, bias
+        self.linear = make_linear(unpacked)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.to(self.dtype)).to(x.dtype)  # [M, N]; no copies where x is in dtype already
+        return y if self.bias is None else y + self.bias
+
+
 @dataclass(frozen=True)
 class _LayerLinears:
     """A layer's four matmuls in the compute dtype (prepacked for oneDNN where that helps)."""
@@ -175,11 +200,17 @@ class LlamaModel:
         paged: PagedAttention | None = None,
         small_step_max_tokens: int = SMALL_STEP_MAX_TOKENS,
         int8_activations: bool = False,
+        unpacked_dtype: torch.dtype | None = None,
     ) -> None:
         """`int8_activations`: with GGUF blocks, the kernel path quantizes activations to int8 per 32-block
-        for integer dot products (llama.cpp's way: faster, a little less exact); the torch path stays fp32."""
+        for integer dot products (llama.cpp's way: faster, a little less exact); the torch path stays fp32.
+        `unpacked_dtype`: with GGUF blocks, the torch path's matmuls read a copy of every block matrix
+        unpacked at load into this dtype (float32 or bfloat16) instead of unpacking per step."""
         self.config = config
         self.int8_activations = int8_activations
+        self.unpacked_dtype = unpacked_dtype
+        self.unpacked_bytes = 0  # bytes of the load-time unpacked copies (unpacked_dtype)
+        self.num_steps_by_path = {path: 0 for path in STEP_PATHS}  # steps each path ran, counted in forward
         self.paged: PagedAttention = paged or TorchAttention()
         self.dtype = dtype
         self.small_step_max_tokens = small_step_max_tokens
@@ -262,8 +293,11 @@ class LlamaModel:
             WeightFormat.F32,
             WeightFormat.BF16,
         ):
-            if self.int8_activations:
-                raise ModelLoadError("int8 activations need GGUF-quantized weights (model.weights gguf-int8)")
+            if self.int8_activations or self.unpacked_dtype is not None:
+                raise ModelLoadError(
+                    "int8 activations and load-time unpacking need GGUF-quantized weights "
+                    "(model.weights gguf-int8 or gguf-hybrid)"
+                )
             return
         if kernels is None or self.dtype != torch.float32:
             raise ModelLoadError(
@@ -277,6 +311,16 @@ class LlamaModel:
         """Makes the torch path's matmuls over GGUF blocks, sharing one unpacking buffer."""
         matrices = [w for layer in self.stored_layers for w in _projections(layer)] + [self.lm_head_stored]
         sizes = [w.shape[0] * w.shape[1] for w in matrices if isinstance(w, QuantizedWeight)]
+        if self.unpacked_dtype is not None:
+            dtype = self.unpacked_dtype
+
+            def unpacked_once(weight: QuantizedWeight, bias: torch.Tensor | None) -> Linear:
+                assert kernels is not None  # _check_blocks_can_run
+                linear = _UnpackedLinear(kernels, weight, bias, dtype)
+                self.unpacked_bytes += linear.nbytes
+                return linear
+
+            return unpacked_once
         # int8 activations already trade exactness for speed; where bf16 math runs in hardware the large
         # steps then take bf16 GEMMs too (docs/performance.md, "GGUF blocks").
         bf16 = self.int8_activations and has_native_bf16_matmul(cpu_flags())
@@ -309,7 +353,7 @@ class LlamaModel:
             weights += [w for w in vars(layer).values() if w is not None]
         tensors = [_data(w) for w in weights]
         unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-        return sum(unique.values())
+        return sum(unique.values()) + self.unpacked_bytes
 
     @torch.inference_mode()
     def forward(
@@ -327,8 +371,10 @@ class LlamaModel:
             and is_small
             and meta.num_prefill_key_reads <= SMALL_STEP_MAX_PREFILL_KEY_READS
         ):
+            self.num_steps_by_path["kernels"] += 1
             h = self._kernel_forward(kernels, token_ids, kv_caches, meta)  # [num_tokens, hidden]
         else:
+            self.num_steps_by_path["gemm"] += 1
             h = self._torch_forward(token_ids, kv_caches, meta)  # [num_tokens, hidden]
         h = h[logits_indices]  # [num_samples, hidden]
         if kernels is None or h.shape[0] > self.small_step_max_tokens:

@@ -49,9 +49,13 @@ def build_model(
     attention: str = "auto",
     block_size: int = 16,
     int8_activations: bool = False,
+    unpacked_dtype: torch.dtype | None = None,
+    small_step_max_tokens: int | None = None,
 ) -> CausalLM:
     """The family's model over `weights` (on their device), its layers on the paged attention `attention`
-    names for KV blocks of `block_size` (attention_backend.py). The C kernels run only under `auto`."""
+    names for KV blocks of `block_size` (attention_backend.py). The C kernels run only under `auto`.
+    `int8_activations`, `unpacked_dtype` and `small_step_max_tokens` are the Llama-family options of the
+    same names (models/llama.py); a family without them refuses them."""
     family = _FAMILIES.get(config.architecture)
     if family is None:
         known = ", ".join(sorted(_FAMILIES))
@@ -60,6 +64,13 @@ def build_model(
     device = tensors[0].device if tensors else torch.device("cpu")
     paged = choose_attention(attention, config, dtype, device, block_size)
     cpu_kernels = attention == "auto" and paged.name == "torch"
-    options = {"int8_activations": True} if int8_activations else {}  # Llama-family kernels only
+    given = {
+        "int8_activations": int8_activations or None,
+        "unpacked_dtype": unpacked_dtype,
+        "small_step_max_tokens": small_step_max_tokens,
+    }
+    options = {name: value for name, value in given.items() if value is not None}
+    if options and not issubclass(family, LlamaModel):
+        raise ModelLoadError(f"{config.architecture} has no C kernel path: {', '.join(options)} do not apply")
     model: CausalLM = family(config, weights, dtype, use_cpu_kernels=cpu_kernels, paged=paged, **options)
     return model

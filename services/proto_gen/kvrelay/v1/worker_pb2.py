@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/worker.proto\x12\nkvrelay.v1\"\xe8\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\r\x12$\n\x07grammar\x18\x0f \x01(\x0b\x32\x13.kvrelay.v1.GrammarB\x07\n\x05_seedB\x0b\n\t_logprobs\"5\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x13\n\x0bsession_key\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x31\n\x0eremote_prefill\x18\x08 \x01(\x0b\x32\x19.kvrelay.v1.RemotePrefill\"3\n\rRemotePrefill\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"\xdd\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12-\n\x0cprefill_mode\x18\x07 \x01(\x0e\x32\x17.kvrelay.v1.PrefillMode\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\t \x01(\x02\x12\x17\n\x0fkv_link_seconds\x18\n \x01(\x02\x12\x14\n\x0ckv_transport\x18\x0b \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\r\n\x0bInfoRequest\"\x95\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\r\x12\x0c\n\x04name\x18\n \x01(\t\x12\x12\n\nipc_domain\x18\x0b \x01(\t\x12\x1d\n\x15\x64irectory_fingerprint\x18\x0c \x01(\t\"G\n\x08KVBlocks\x12\r\n\x05total\x18\x01 \x01(\r\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\x12\x0c\n\x04\x66ree\x18\x04 \x01(\r\"\r\n\x0bLoadRequest\"\xdb\x02\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\'\n\tkv_blocks\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.KVBlocks\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x16\n\x0erequests_total\x18\x06 \x01(\x04\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x1f\n\x17kv_transfer_bytes_total\x18\x08 \x01(\x04\x12\x1d\n\x15remote_prefills_total\x18\t \x01(\x04\x12\x1f\n\x17prefill_fallbacks_total\x18\n \x01(\x04\x12\x1e\n\x16requests_aborted_total\x18\x0b \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0c \x01(\x04\"\x11\n\x0fKVEventsRequest\"A\n\x0cKVEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\x11\n\x0fReplicasRequest\"m\n\x07Replica\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\x12&\n\x04load\x18\x05 \x01(\x0b\x32\x18.kvrelay.v1.LoadResponse\"9\n\x10ReplicasResponse\x12%\n\x08replicas\x18\x01 \x03(\x0b\x32\x13.kvrelay.v1.Replica*w\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02\x12\x19\n\x15PREFILL_MODE_FALLBACK\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xca\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvrelay.v1.AbortRequest\x1a\x19.kvrelay.v1.AbortResponse\x12\x39\n\x04Info\x12\x17.kvrelay.v1.InfoRequest\x1a\x18.kvrelay.v1.InfoResponse\x12\x39\n\x04Load\x12\x17.kvrelay.v1.LoadRequest\x1a\x18.kvrelay.v1.LoadResponse\x12\x43\n\x08KVEvents\x12\x1b.kvrelay.v1.KVEventsRequest\x1a\x18.kvrelay.v1.KVEventBatch0\x01\x32O\n\x06Router\x12\x45\n\x08Replicas\x12\x1b.kvrelay.v1.ReplicasRequest\x1a\x1c.kvrelay.v1.ReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/worker.proto\x12\nkvrelay.v1\"\xe8\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\r\x12$\n\x07grammar\x18\x0f \x01(\x0b\x32\x13.kvrelay.v1.GrammarB\x07\n\x05_seedB\x0b\n\t_logprobs\"5\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x13\n\x0bsession_key\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x31\n\x0eremote_prefill\x18\x08 \x01(\x0b\x32\x19.kvrelay.v1.RemotePrefill\"3\n\rRemotePrefill\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"\xdd\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12-\n\x0cprefill_mode\x18\x07 \x01(\x0e\x32\x17.kvrelay.v1.PrefillMode\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\t \x01(\x02\x12\x17\n\x0fkv_link_seconds\x18\n \x01(\x02\x12\x14\n\x0ckv_transport\x18\x0b \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\r\n\x0bInfoRequest\"\xf6\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\r\x12\x0c\n\x04name\x18\n \x01(\t\x12\x12\n\nipc_domain\x18\x0b \x01(\t\x12\x1d\n\x15\x64irectory_fingerprint\x18\x0c \x01(\t\x12\x0f\n\x07weights\x18\r \x01(\t\x12\x1d\n\x15small_step_max_tokens\x18\x0e \x01(\r\x12\x19\n\x11small_step_source\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\"G\n\x08KVBlocks\x12\r\n\x05total\x18\x01 \x01(\r\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\x12\x0c\n\x04\x66ree\x18\x04 \x01(\r\"\r\n\x0bLoadRequest\"\xd1\x03\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\'\n\tkv_blocks\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.KVBlocks\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x16\n\x0erequests_total\x18\x06 \x01(\x04\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x1f\n\x17kv_transfer_bytes_total\x18\x08 \x01(\x04\x12\x1d\n\x15remote_prefills_total\x18\t \x01(\x04\x12\x1f\n\x17prefill_fallbacks_total\x18\n \x01(\x04\x12\x1e\n\x16requests_aborted_total\x18\x0b \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0c \x01(\x04\x12@\n\rsteps_by_path\x18\r \x03(\x0b\x32).kvrelay.v1.LoadResponse.StepsByPathEntry\x1a\x32\n\x10StepsByPathEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x11\n\x0fKVEventsRequest\"A\n\x0cKVEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\x11\n\x0fReplicasRequest\"\x95\x01\n\x07Replica\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\x12&\n\x04load\x18\x05 \x01(\x0b\x32\x18.kvrelay.v1.LoadResponse\x12&\n\x04info\x18\x06 \x01(\x0b\x32\x18.kvrelay.v1.InfoResponse\"9\n\x10ReplicasResponse\x12%\n\x08replicas\x18\x01 \x03(\x0b\x32\x13.kvrelay.v1.Replica*w\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02\x12\x19\n\x15PREFILL_MODE_FALLBACK\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xca\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvrelay.v1.AbortRequest\x1a\x19.kvrelay.v1.AbortResponse\x12\x39\n\x04Info\x12\x17.kvrelay.v1.InfoRequest\x1a\x18.kvrelay.v1.InfoResponse\x12\x39\n\x04Load\x12\x17.kvrelay.v1.LoadRequest\x1a\x18.kvrelay.v1.LoadResponse\x12\x43\n\x08KVEvents\x12\x1b.kvrelay.v1.KVEventsRequest\x1a\x18.kvrelay.v1.KVEventBatch0\x01\x32O\n\x06Router\x12\x45\n\x08Replicas\x12\x1b.kvrelay.v1.ReplicasRequest\x1a\x1c.kvrelay.v1.ReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLMODE']._serialized_start=2308
-  _globals['_PREFILLMODE']._serialized_end=2427
-  _globals['_FINISHREASON']._serialized_start=2429
-  _globals['_FINISHREASON']._serialized_end=2549
+  _globals['_LOADRESPONSE_STEPSBYPATHENTRY']._loaded_options = None
+  _globals['_LOADRESPONSE_STEPSBYPATHENTRY']._serialized_options = b'8\001'
+  _globals['_PREFILLMODE']._serialized_start=2564
+  _globals['_PREFILLMODE']._serialized_end=2683
+  _globals['_FINISHREASON']._serialized_start=2685
+  _globals['_FINISHREASON']._serialized_end=2805
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=400
   _globals['_GRAMMAR']._serialized_start=402
@@ -56,25 +58,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=1300
   _globals['_INFOREQUEST']._serialized_end=1313
   _globals['_INFORESPONSE']._serialized_start=1316
-  _globals['_INFORESPONSE']._serialized_end=1593
-  _globals['_KVBLOCKS']._serialized_start=1595
-  _globals['_KVBLOCKS']._serialized_end=1666
-  _globals['_LOADREQUEST']._serialized_start=1668
-  _globals['_LOADREQUEST']._serialized_end=1681
-  _globals['_LOADRESPONSE']._serialized_start=1684
-  _globals['_LOADRESPONSE']._serialized_end=2031
-  _globals['_KVEVENTSREQUEST']._serialized_start=2033
-  _globals['_KVEVENTSREQUEST']._serialized_end=2050
-  _globals['_KVEVENTBATCH']._serialized_start=2052
-  _globals['_KVEVENTBATCH']._serialized_end=2117
-  _globals['_REPLICASREQUEST']._serialized_start=2119
-  _globals['_REPLICASREQUEST']._serialized_end=2136
-  _globals['_REPLICA']._serialized_start=2138
-  _globals['_REPLICA']._serialized_end=2247
-  _globals['_REPLICASRESPONSE']._serialized_start=2249
-  _globals['_REPLICASRESPONSE']._serialized_end=2306
-  _globals['_WORKER']._serialized_start=2552
-  _globals['_WORKER']._serialized_end=2882
-  _globals['_ROUTER']._serialized_start=2884
-  _globals['_ROUTER']._serialized_end=2963
+  _globals['_INFORESPONSE']._serialized_end=1690
+  _globals['_KVBLOCKS']._serialized_start=1692
+  _globals['_KVBLOCKS']._serialized_end=1763
+  _globals['_LOADREQUEST']._serialized_start=1765
+  _globals['_LOADREQUEST']._serialized_end=1778
+  _globals['_LOADRESPONSE']._serialized_start=1781
+  _globals['_LOADRESPONSE']._serialized_end=2246
+  _globals['_LOADRESPONSE_STEPSBYPATHENTRY']._serialized_start=2196
+  _globals['_LOADRESPONSE_STEPSBYPATHENTRY']._serialized_end=2246
+  _globals['_KVEVENTSREQUEST']._serialized_start=2248
+  _globals['_KVEVENTSREQUEST']._serialized_end=2265
+  _globals['_KVEVENTBATCH']._serialized_start=2267
+  _globals['_KVEVENTBATCH']._serialized_end=2332
+  _globals['_REPLICASREQUEST']._serialized_start=2334
+  _globals['_REPLICASREQUEST']._serialized_end=2351
+  _globals['_REPLICA']._serialized_start=2354
+  _globals['_REPLICA']._serialized_end=2503
+  _globals['_REPLICASRESPONSE']._serialized_start=2505
+  _globals['_REPLICASRESPONSE']._serialized_end=2562
+  _globals['_WORKER']._serialized_start=2808
+  _globals['_WORKER']._serialized_end=3138
+  _globals['_ROUTER']._serialized_start=3140
+  _globals['_ROUTER']._serialized_end=3219
 # @@protoc_insertion_point(module_scope)

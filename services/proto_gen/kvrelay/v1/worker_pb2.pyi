@@ -160,7 +160,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain", "directory_fingerprint")
+    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain", "directory_fingerprint", "weights", "small_step_max_tokens", "small_step_source", "weight_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,10 @@ class InfoResponse(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     IPC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SMALL_STEP_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SMALL_STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -185,7 +189,11 @@ class InfoResponse(_message.Message):
     name: str
     ipc_domain: str
     directory_fingerprint: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., directory_fingerprint: _Optional[str] = ...) -> None: ...
+    weights: str
+    small_step_max_tokens: int
+    small_step_source: str
+    weight_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., directory_fingerprint: _Optional[str] = ..., weights: _Optional[str] = ..., small_step_max_tokens: _Optional[int] = ..., small_step_source: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("total", "active", "cached", "free")
@@ -204,7 +212,14 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total")
+    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path")
+    class StepsByPathEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +232,7 @@ class LoadResponse(_message.Message):
     PREFILL_FALLBACKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ABORTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_PATH_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks: KVBlocks
@@ -229,7 +245,8 @@ class LoadResponse(_message.Message):
     prefill_fallbacks_total: int
     requests_aborted_total: int
     generation_tokens_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ...) -> None: ...
+    steps_by_path: _containers.ScalarMap[str, int]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ()
@@ -250,18 +267,20 @@ class ReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("name", "role", "address", "ready", "load")
+    __slots__ = ("name", "role", "address", "ready", "load", "info")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     address: str
     ready: bool
     load: LoadResponse
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., ready: _Optional[bool] = ..., load: _Optional[_Union[LoadResponse, _Mapping]] = ...) -> None: ...
+    info: InfoResponse
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., ready: _Optional[bool] = ..., load: _Optional[_Union[LoadResponse, _Mapping]] = ..., info: _Optional[_Union[InfoResponse, _Mapping]] = ...) -> None: ...
 
 class ReplicasResponse(_message.Message):
     __slots__ = ("replicas",)
