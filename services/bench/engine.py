@@ -206,6 +206,10 @@ def print_comparisons(result: dict[str, Any], batches: list[int]) -> None:
         for side in result["sides"]:
             if side.startswith("kvrelay"):
                 print(peer_line(side, result[side], result["llama.cpp"]))
+    ours = [side for side in result["sides"] if side.startswith("kvrelay")]
+    for other in ours[1:]:
+        if len(result[ours[0]].get("rounds", [])) > 1:
+            print(sides_line(ours[0], other, result, batches))
     for side in result["sides"]:
         for batch, rates in result[side].get("decode", {}).items():
             if rates.get("preemptions"):
@@ -277,6 +281,19 @@ def peer_line(name: str, side: dict[str, Any], peer: dict[str, Any]) -> str:
         shown = f"{ours / theirs:.2f}x{ratio_range(decode_rates(side, 1), decode_rates(peer, 1), '.2f')}"
     prefill_spread = ratio_range(ours_prefill, peer_prefill, ".2f")
     return f"{name} / llama.cpp: prefill {prefill:.2f}x{prefill_spread}, decode @1 {shown}"
+
+
+def sides_line(first: str, other: str, result: dict[str, Any], batches: list[int]) -> str:
+    """The first of our sides against another, each metric as the median of the ratios taken within each
+    round, with their range: the drift of a shared VM between rounds cancels out of each ratio."""
+    rounds = {side: result[side]["rounds"] for side in (first, other)}
+    metrics: list[tuple[str, Any]] = [("prefill", lambda r: r["prefill_tok_s"])]
+    metrics += [(f"decode @{b}", lambda r, b=b: r["decode"][str(b)]["tok_s"]) for b in batches]
+    parts = []
+    for name, value in metrics:
+        ratios = [value(a) / value(b) for a, b in zip(rounds[first], rounds[other], strict=True)]
+        parts.append(f"{name} {median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    return f"{first} / {other}, medians of within-round ratios: " + ", ".join(parts)
 
 
 def _decode(side: dict[str, Any], batch: int, key: str) -> float | None:

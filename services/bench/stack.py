@@ -71,7 +71,8 @@ async def _measure_stack(url: str, concurrency: int, new_tokens: int) -> dict[st
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=600)
-    connector = aiohttp.TCPConnector(limit=concurrency + 1)
+    # a connection per request: llama-server closes a streamed response's connection, which a pool would reuse
+    connector = aiohttp.TCPConnector(limit=concurrency + 1, force_close=True)
     async with aiohttp.ClientSession(url, timeout=timeout, connector=connector) as client:
         async with client.get("/v1/models") as response:
             model = (await response.json())["data"][0]["id"]

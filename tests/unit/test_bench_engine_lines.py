@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.bench.engine import bound_line, peer_line, side_name, table
+from services.bench.engine import bound_line, peer_line, side_name, sides_line, table
 
 RESULT = {
     "sides": ["kvrelay-safetensors", "kvrelay-gguf-int8", "llama.cpp"],
@@ -44,3 +44,15 @@ def test_side_names_carry_only_what_the_run_varies() -> None:
     assert side_name("auto", "auto", 1, 1) == "kvrelay"
     assert side_name("gguf-int8", "auto", 2, 1) == "kvrelay-gguf-int8"
     assert side_name("gguf-int8", "float32", 1, 2) == "kvrelay-gguf-int8-kv-float32"
+
+
+def test_sides_compare_by_the_median_of_ratios_taken_within_each_round() -> None:
+    def side(*rounds: tuple[float, float]) -> dict[str, object]:
+        return {"rounds": [{"prefill_tok_s": p, "decode": {"1": {"tok_s": d}}} for p, d in rounds]}
+
+    # round 2 ran on a machine half as fast for both sides: each within-round ratio stays 2x at batch 1
+    result = {"a": side((100, 40), (50, 20), (100, 44)), "b": side((100, 20), (50, 10), (125, 20))}
+    line = sides_line("a", "b", result, [1])
+    assert line == (
+        "a / b, medians of within-round ratios: prefill 1.00x (0.80-1.00), decode @1 2.00x (2.00-2.20)"
+    )
