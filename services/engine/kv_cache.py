@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,7 +44,8 @@ def plan_num_blocks(spec: KVCacheSpec, kv_cache_memory_mb: int, max_model_len: i
 
 
 def check_host_memory(weight_bytes: int, kv_bytes: int) -> None:
-    """Refuse to start when weights plus the KV cache exceed the memory the host has available."""
+    """Refuse to start when weights plus the KV cache exceed the memory available to this process: the
+    host's MemAvailable, or less where a memory cgroup (a container's limit) leaves less."""
     available = _mem_available_bytes()
     if available is not None and weight_bytes + kv_bytes > available:
         raise CapacityError(
@@ -59,6 +61,12 @@ def fits_host_memory(num_bytes: int) -> bool:
 
 
 def _mem_available_bytes() -> int | None:
+    """The host's MemAvailable, capped by the memory cgroup's headroom; None where neither is known."""
+    known = [n for n in (_meminfo_available_bytes(), cgroup_headroom_bytes()) if n is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -66,6 +74,31 @@ def _mem_available_bytes() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
+    return None
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# (limit, usage) files: cgroup v2, then v1's memory controller, as a container sees its own cgroup
+CGROUP_MEMORY_FILES = (
+    ("memory.max", "memory.current"),
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+)
+NO_LIMIT = 2**62  # v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def cgroup_headroom_bytes(root: Path = CGROUP_ROOT) -> int | None:
+    """What the memory cgroup this process sees at `root` still allows (limit minus usage), or None where
+    there is no limit or no cgroup file to read (/proc/meminfo shows the host's memory even in a
+    container, so a pod's limit would otherwise go unseen)."""
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= NO_LIMIT:
+            return None
+        return max(0, int(limit_text) - usage)
     return None
 
 

@@ -3,10 +3,12 @@ memory the host has available (MemAvailable), with a message that names both siz
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.common.errors import CapacityError
-from services.engine.kv_cache import _mem_available_bytes, check_host_memory
+from services.engine.kv_cache import _mem_available_bytes, cgroup_headroom_bytes, check_host_memory
 
 MB = 2**20
 
@@ -36,3 +38,23 @@ def test_a_plan_within_available_memory_passes() -> None:
     half = available() // 2
     check_host_memory(half // 2, half // 2)
     check_host_memory(0, 0)
+
+
+def test_a_memory_cgroup_limit_caps_what_is_available(tmp_path: Path) -> None:
+    """A container's limit (cgroup v2's memory.max or v1's limit_in_bytes) minus its usage; no limit, no
+    cap. /proc/meminfo alone would show the host's memory inside a pod."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("1073741824\n")
+    (v2 / "memory.current").write_text("268435456\n")
+    assert cgroup_headroom_bytes(v2) == 768 * MB
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_headroom_bytes(v2) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("536870912\n")
+    (v1 / "memory.usage_in_bytes").write_text("600000000\n")
+    assert cgroup_headroom_bytes(tmp_path / "v1") == 0  # over its limit already: nothing left
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_headroom_bytes(tmp_path / "v1") is None
+    assert cgroup_headroom_bytes(tmp_path / "none") is None
