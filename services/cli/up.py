@@ -308,9 +308,10 @@ def resolve_mode(mode: str, num_cores: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("up")
-    mode = resolve_mode(args.mode, available_cores())
+    cores = available_cores()
+    mode = resolve_mode(args.mode, cores)
     if mode != args.mode:
-        log.info("--mode auto", extra={"mode": mode, "cores": available_cores()})
+        log.info("--mode auto", extra={"mode": mode, "cores": cores})
     workers = plan_workers(mode, args.workers, args.prefill_replicas, args.decode_replicas)
     if args.grace_seconds < 0:
         raise UpError(f"--grace-seconds must be 0 or more, got {args.grace_seconds}")
@@ -331,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
             ports=ports,
             config_path=write_stack_config(Path(tmp), cfg, model_dir, host, ports.codec),
             model_dir=model_dir,
-            threads_per_worker=threads_per_worker(available_cores(), len(workers)),
+            threads_per_worker=threads_per_worker(cores, len(workers)),
             env=child_env(os.environ, secrets.token_urlsafe(32)),
             grpc_port=args.grpc_port,
             mode=mode,

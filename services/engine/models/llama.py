@@ -309,8 +309,6 @@ class LlamaModel:
         self, kernels: CpuKernels | None
     ) -> Callable[[QuantizedWeight, torch.Tensor | None], Linear]:
         """Makes the torch path's matmuls over GGUF blocks, sharing one unpacking buffer."""
-        matrices = [w for layer in self.stored_layers for w in _projections(layer)] + [self.lm_head_stored]
-        sizes = [w.shape[0] * w.shape[1] for w in matrices if isinstance(w, QuantizedWeight)]
         if self.unpacked_dtype is not None:
             dtype = self.unpacked_dtype
 
@@ -321,6 +319,8 @@ class LlamaModel:
                 return linear
 
             return unpacked_once
+        matrices = [w for layer in self.stored_layers for w in _projections(layer)] + [self.lm_head_stored]
+        sizes = [w.shape[0] * w.shape[1] for w in matrices if isinstance(w, QuantizedWeight)]
         # int8 activations already trade exactness for speed; where bf16 math runs in hardware the large
         # steps then take bf16 GEMMs too (docs/performance.md, "GGUF blocks").
         bf16 = self.int8_activations and has_native_bf16_matmul(cpu_flags())
