@@ -23,12 +23,14 @@ BREAK = object()  # put on the KV event queue: the current stream fails with UNA
 @dataclass
 class GenerateScript:
     """What Generate does: wait for `hold` (when given) before the first token; stream `token_ids`, one
-    per message; fail with UNAVAILABLE after `fail_after` of them (0: before any token; None: never).
+    per message; fail with `fail_with` (UNAVAILABLE unless set) after `fail_after` of them (0: before any
+    token; None: never).
     The last message says how the prompt was prefilled: `remote_last`'s fields when the router asked for
     a remote prefill, else PREFILL_MODE_LOCAL."""
 
     token_ids: list[int] = field(default_factory=lambda: [5, 6, 7])
     fail_after: int | None = None
+    fail_with: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     hold: threading.Event | None = None
     remote_last: pb.GenerateResponse = field(
         default_factory=lambda: pb.GenerateResponse(prefill_mode=pb.PREFILL_MODE_REMOTE)
@@ -69,7 +71,7 @@ class FakeReplica(worker_pb2_grpc.WorkerServicer):
             script.hold.wait(30)
         for i, token_id in enumerate(script.token_ids):
             if script.fail_after == i:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "fake replica failed")
+                context.abort(script.fail_with, "fake replica failed")
             response = pb.GenerateResponse(token_ids=[token_id])
             if i == len(script.token_ids) - 1:
                 response.finish_reason = pb.FINISH_REASON_LENGTH

@@ -45,7 +45,10 @@ from services.router.policy import (
 from services.router.replicas import Replica, ReplicaSet, pair_transport
 
 log = logging.getLogger(__name__)
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# A replica's failure before the first token that another replica may serve: unreachable or refusing
+# (UNAVAILABLE), or cancelled by the replica itself (a server that begins to stop cancels a call that
+# reached it at that moment; a client's own cancel ends this handler instead, never as this status).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 DECODE_ROLES = frozenset({"colocated", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
 BANDWIDTH_EWMA = 0.2
