@@ -54,6 +54,7 @@ $(LINT_STAMP): $(STAMP) $(LINT_INPUTS)
 	$(VENV)/bin/ruff check services tests scripts
 	$(VENV)/bin/ruff format --check services tests scripts
 	$(VENV)/bin/mypy services
+	$(VENV)/bin/lint-imports --no-cache --config pyproject.toml  # the import contracts
 	touch $@
 
 # What the tests need beside `setup`: the second model.

@@ -6,7 +6,7 @@
 
 Written for the device machine as its README describes it: Python 3.12 with torch, triton and transformers,
 no network and no model files. Every model here is built with random weights on the device and handed to
-the engine as a state dict (services/engine/loader.py `load_state_dict`), never through disk. What else
+the engine as a state dict (engine/loading/loader.py `load_state_dict`), never through disk. What else
 kvrelay's CUDA path imports travels as wheels in `.whl`, computed from an import trace of the CPU dry run,
 not kept by hand (scripts/gpu_check_wheels.py; `--download .whl` fetches them), and installed with
 `--no-deps` into a target directory put first on PYTHONPATH. Optional packages (llguidance, gguf,

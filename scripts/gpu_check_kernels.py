@@ -26,7 +26,8 @@ def kernel_step(rows: list[tuple[int, int]], kv_heads: int, ratio: int, head_dim
     """A step over scattered blocks: (metadata, cache, q, k, v, flat rows) with this step's K/V stored."""
     import torch
 
-    from services.engine.attention import RowSpec, build_metadata, write_kv
+    from services.engine.layers.attention import write_kv
+    from services.engine.layers.attention_metadata import RowSpec, build_metadata
 
     gen = torch.Generator(device=device).manual_seed(seed)
     num_blocks = sum(-(-ctx // block_size) for ctx, _ in rows) + 1
@@ -55,10 +56,11 @@ def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
     output by ~1/4096 of a value); one_key_ratio reads it as 2-5, exact masks as ~3e-5."""
     import torch
 
-    from services.engine.attention import paged_attention, reference_attention
+    from services.engine.layers.attention import paged_attention
+    from services.engine.layers.triton_self_check import ONE_KEY_LIMIT, one_key_ratio
+    from services.engine.ops.reference import reference_attention
     from services.engine.ops.triton.dispatch import KernelSpec
     from services.engine.ops.triton.launch import TritonAttention
-    from services.engine.ops.triton.self_check import ONE_KEY_LIMIT, one_key_ratio
 
     shrink = 32 if args.check_shape == "tiny" else 1
     results: dict[str, Any] = {}
@@ -105,7 +107,7 @@ def _time_decode_attention(
     and for torch-native attention; the KV bytes each call must read, over its time."""
     import torch
 
-    from services.engine.attention import paged_attention
+    from services.engine.layers.attention import paged_attention
     from services.engine.ops.triton.dispatch import KernelSpec
     from services.engine.ops.triton.launch import TritonAttention
 

@@ -30,15 +30,15 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 CUDA_PATH_MODULES = (
     "services.common.config",
-    "services.engine.device",
-    "services.engine.loader",
-    "services.engine.factory",
+    "services.engine.loading.device",
+    "services.engine.loading.loader",
+    "services.engine.loading.factory",
     "services.engine.core",
     "services.engine.runner",
-    "services.engine.attention",
-    "services.engine.attention_backend",
+    "services.engine.layers.attention",
+    "services.engine.layers.attention_backend",
     "services.engine.ops.triton.launch",
-    "services.engine.sampler",
+    "services.engine.layers.sampler",
     "services.engine.models.llama",
     "services.engine.models.gemma3",
     "services.engine.models.qwen",
@@ -69,8 +69,8 @@ def build_hf(shape: str, device: str, dtype: Any, seed: int = 0, **overrides: An
 def build_engine(hf_model: Any, device: str, dtype: str, **engine: Any) -> Any:
     """kvrelay's engine over the same weights, handed over as a state dict (no disk)."""
     from services.common.config import KvrelayConfig
-    from services.engine.factory import build_core_from_loaded
-    from services.engine.loader import load_state_dict
+    from services.engine.loading.factory import build_core_from_loaded
+    from services.engine.loading.loader import load_state_dict
 
     config_dict = hf_model.config.to_dict()
     loaded = load_state_dict(
@@ -187,7 +187,7 @@ def stage_identity(args: argparse.Namespace) -> dict[str, Any]:
 def stage_cosine(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from services.engine.loader import load_state_dict
+    from services.engine.loading.loader import load_state_dict
 
     shape = args.check_shape
     num_layers = min(8, SHAPES[shape]["num_hidden_layers"])
@@ -207,8 +207,8 @@ def model_logits(loaded: Any, prompt: list[int], device: str) -> Any:
     """The engine model's float32 logits at the prompt's last position: one prefill over fresh blocks."""
     import torch
 
-    from services.engine.attention import RowSpec, build_metadata
-    from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches
+    from services.engine.layers.attention_metadata import RowSpec, build_metadata
+    from services.engine.layers.kv_cache import KVCacheSpec, allocate_kv_caches
 
     block_size = 16
     num_blocks = -(-len(prompt) // block_size)
@@ -348,7 +348,7 @@ def stage_graphs(args: argparse.Namespace) -> dict[str, Any]:
     eagerly over the same static buffers: bit for bit. Capture time and memory from the engine."""
     import torch
 
-    from services.engine.attention import RowSpec, build_metadata
+    from services.engine.layers.attention_metadata import RowSpec, build_metadata
 
     shape = args.check_shape
     hf = build_hf(

@@ -89,7 +89,7 @@ def gemma_dir() -> Path:
     path = Path(os.environ.get("KVRELAY_TEST_GEMMA_DIR", str(DEFAULT_GEMMA_DIR)))
     if not (path / "manifest.json").exists():
         from services.common.errors import ModelLoadError
-        from services.engine.prepare import prepare_from_package
+        from services.engine.loading.prepare import prepare_from_package
 
         try:
             prepare_from_package("gemma3-270m", path)

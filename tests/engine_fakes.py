@@ -22,14 +22,14 @@ import torch
 from services.common.config import load_config
 from services.common.manifest import Manifest
 from services.common.outputs import TokenLogprob
-from services.engine.block_pool import NO_BLOCK
 from services.engine.core import EngineCore
-from services.engine.factory import assemble_core
-from services.engine.kv_cache import KVCacheSpec
-from services.engine.models.config import ModelConfig
-from services.engine.request import PLACEHOLDER, Request, SeqId
+from services.engine.layers.kv_cache import KVCacheSpec
+from services.engine.loading.factory import assemble_core
+from services.engine.model_config import ModelConfig
 from services.engine.runner_protocol import PendingStep, Runner, StepResult
-from services.engine.scheduler import SchedulerOutput
+from services.engine.scheduling.block_pool import NO_BLOCK
+from services.engine.scheduling.request import PLACEHOLDER, Request, SeqId
+from services.engine.scheduling.scheduler import SchedulerOutput
 
 # The shape of tests/tiny_model.py's tiny Llama, so KV budgets plan the same number of blocks.
 FAKE_MODEL = ModelConfig(
@@ -224,7 +224,7 @@ def make_fake_engine(
     model: ModelConfig = FAKE_MODEL,
     **engine: Any,
 ) -> EngineCore:
-    """An engine core over a `FakeRunner`, built like `EngineCore.from_config` with these `engine.*`
+    """An engine core over a `FakeRunner`, built like `loading.factory.build_core` with these `engine.*`
     settings (the defaults otherwise) and `limits.batch_size_limit`."""
     engine_config = load_config(None, env={}).engine.model_copy(update=engine)
 

@@ -12,6 +12,7 @@ from services.common.config import load_config
 from services.common.outputs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, RequestOutput
+from services.engine.loading.factory import build_core
 
 
 def make_engine(
@@ -32,7 +33,7 @@ def make_engine(
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }
     )
-    return EngineCore.from_config(cfg)
+    return build_core(cfg)
 
 
 def drain(engine: EngineCore, check_invariants: bool = True) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir pip==26.3 setuptools==84.2.1
 WORKDIR /src
 COPY pyproject.toml README.md deploy/docker/constraints.txt ./
+# All of services/ but the benchmarks: codec.Dockerfile.dockerignore leaves services/bench out.
 COPY services ./services
 # Direct dependencies are pinned in pyproject.toml, the whole closure in constraints.txt
 # (scripts/image_constraints.py). The codec extra has no torch.

@@ -14,6 +14,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir pip==26.3 setuptools==84.2.1
 WORKDIR /src
 COPY pyproject.toml README.md deploy/docker/constraints.txt ./
+# All of services/ but the benchmarks: router.Dockerfile.dockerignore leaves services/bench out.
 COPY services ./services
 RUN pip install --no-cache-dir --constraint constraints.txt ".[router,codec]"
 

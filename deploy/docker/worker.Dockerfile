@@ -34,6 +34,7 @@ RUN python -m venv /opt/venv \
  && pip install --no-cache-dir pip==26.3 setuptools==84.2.1
 WORKDIR /src
 COPY pyproject.toml README.md deploy/docker/constraints.txt ./
+# All of services/ but the benchmarks: worker.Dockerfile.dockerignore leaves services/bench out.
 COPY services ./services
 
 FROM build AS build-cpu

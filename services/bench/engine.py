@@ -117,7 +117,7 @@ def _non_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from services.engine.loader import resolve_precision
+    from services.engine.loading.loader import resolve_precision
 
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.concurrency.split(",")]
@@ -347,7 +347,7 @@ def measure_llama_bench(args: argparse.Namespace, llama_bench: Path, repetitions
     Where its default weight repacking crashes it (its AMX path died with SIGSEGV on a Sapphire Rapids VM),
     it runs again with `--repack 0` (run_llama_cpp), and the result's command says so."""
     from services.common.manifest import GGUF_WEIGHTS_NAME
-    from services.engine.prepare import default_gguf_path
+    from services.engine.loading.prepare import default_gguf_path
 
     gguf = Path(args.model) / GGUF_WEIGHTS_NAME
     gguf = gguf if gguf.is_file() else default_gguf_path()
@@ -416,7 +416,7 @@ def describe_engine(engine: Any, weights: str) -> dict[str, Any]:
 
 def step_weight_bytes(model: Any) -> int:
     """The bytes of weights one decode step reads: every layer's projections and the LM head, as stored."""
-    from services.engine.models.llama import PROJECTIONS
+    from services.engine.ops.fused_layers import PROJECTIONS
 
     matrices = [getattr(layer, name) for layer in getattr(model, "stored_layers", []) for name in PROJECTIONS]
     matrices.append(getattr(model, "lm_head_stored", None))
@@ -430,7 +430,7 @@ def build_engine(
     """An engine core for `args.model` at `args.dtype` over `weights` (model.weights) with a KV cache of
     `kv_cache_dtype` (engine.kv_cache_dtype), warmed up."""
     from services.common.config import load_config
-    from services.engine.core import EngineCore
+    from services.engine.loading.factory import build_core
 
     cfg = load_config(None)
     model_update = {"path": str(args.model), "dtype": args.dtype, "weights": weights}
@@ -441,7 +441,7 @@ def build_engine(
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }
     )
-    engine = EngineCore.from_config(cfg)
+    engine = build_core(cfg)
     run_batch(engine, [list(range(100, 116))] * 2, 4, "warm")
     return engine
 

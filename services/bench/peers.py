@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.bench.serve import compare
-from services.bench.spawn import SupervisedStack, UpSettings, bench_env, kvrelay_argv, start_up_stack
-from services.cli.probes import HttpReadyCheck
-from services.cli.supervisor import Role, ServiceSpec
-from services.cli.up import AUTO, INTERNAL_HOST, MODES, free_ports
+from services.bench.spawn import SupervisedStack, UpSettings, bench_env, start_up_stack
+from services.common.local_stack import AUTO, INTERNAL_HOST, MODES, free_ports, kvrelay_argv
+from services.common.probes import HttpReadyCheck
+from services.common.supervisor import Role, ServiceSpec
 
 PEERS = ("kvrelay", "llama-cpp", "transformers", "transformers-cb")
 BENCH_ARGS = (

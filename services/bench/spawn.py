@@ -1,4 +1,4 @@
-"""The stacks a benchmark starts, run by `kvrelay up`'s own supervisor (services/cli/supervisor.py).
+"""The stacks a benchmark starts, run by `kvrelay up`'s own supervisor (services/common/supervisor.py).
 
 A `SupervisedStack` runs one `Supervisor` in a background thread: it starts the services in dependency
 order (workers, router, codec), waits for each tier's health, and on `stop` SIGTERMs them tier by tier,
@@ -13,8 +13,9 @@ instead, so `start` fails at once, with the log tails, when any child has exited
 ready. While a stack stops, SIGINT and SIGTERM are ignored (on the main thread), so a second Ctrl-C
 cannot leave children behind.
 
-`start_up_stack` is the stack `kvrelay up --port 0` runs (services/cli/up.py builds its services), with
-the bench's config; benchmarks with stacks of their own shape pass their specs to `SupervisedStack`.
+`start_up_stack` is the stack `kvrelay up --port 0` runs (services/common/local_stack.py plans it for both),
+with the bench's config; benchmarks with stacks of their own shape pass their specs to `SupervisedStack`.
+Nothing here imports the CLI (services/cli/): the children run it as a command.
 """
 
 from __future__ import annotations
@@ -23,16 +24,14 @@ import contextlib
 import os
 import secrets
 import signal
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
-from services.cli.probes import GrpcHealthCheck
-from services.cli.supervisor import Role, ServiceSpec, Supervisor, SupervisorOptions
-from services.cli.up import (
+from services.common.config import load_config
+from services.common.local_stack import (
     COLOCATED,
     INTERNAL_HOST,
     TOKEN_ENV,
@@ -42,22 +41,19 @@ from services.cli.up import (
     child_env,
     derive_ports,
     free_ports,
+    kvrelay_argv,
     plan_workers,
     public_url,
     threads_per_worker,
     write_stack_config,
 )
-from services.common.config import load_config
+from services.common.probes import GrpcHealthCheck
+from services.common.supervisor import Role, ServiceSpec, Supervisor, SupervisorOptions
 
 START_TIMEOUT_S = 300.0
 GRACE_S = 10.0
 POLL_S = 0.1
 LOG_TAIL_CHARS = 3000
-
-
-def kvrelay_argv(*args: str) -> list[str]:
-    """A `kvrelay` command line for this interpreter (`python -m services.cli.main ...`)."""
-    return [sys.executable, "-m", "services.cli.main", *args]
 
 
 def bench_env() -> dict[str, str]:

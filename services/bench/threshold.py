@@ -176,7 +176,7 @@ def cpu_model_name() -> str:
 def _load(model_dir: str, max_tokens: int, context: int) -> tuple[Any, list[Any]]:
     import torch
 
-    from services.engine.loader import load_model
+    from services.engine.loading.loader import load_model
 
     loaded = load_model(model_dir, "auto", weights="gguf-hybrid", small_step_max_tokens=1)
     model = loaded.model
@@ -191,7 +191,7 @@ def _time_step(model: Any, caches: list[Any], m: int, context: int, block_size: 
     """The best of `repeats` calls of one decode step of m sequences, in ms."""
     import torch
 
-    from services.engine.attention import RowSpec, build_metadata
+    from services.engine.layers.attention_metadata import RowSpec, build_metadata
 
     blocks_per_row = -(-(context + 1) // block_size)
     rows = [RowSpec(list(range(i * blocks_per_row, (i + 1) * blocks_per_row)), context, 1) for i in range(m)]

@@ -1,9 +1,10 @@
 """`kvrelay bench`: the benchmarks, measured side by side with a baseline in one run (JSON plus PNG plots).
 
-They live in services/bench/ and need the `bench` extra, which no image installs: this stub registers the
-command without importing them, and hands everything after `kvrelay bench` to `services.bench.cli` only
-when the command runs (so `kvrelay bench --help` lists the benchmarks). Without the extra it prints one
-line saying how to install it and exits 2.
+They live in services/bench/ and need the `bench` extra: this stub registers the command without importing
+them, and hands everything after `kvrelay bench` to `services.bench.cli` only when the command runs (so
+`kvrelay bench --help` lists the benchmarks). Without the extra it prints one line saying how to install
+it and exits 2. The images carry neither the extra nor services/bench itself (their .dockerignore files
+leave it out); where the package is missing, the line says so, also exit 2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from collections.abc import Sequence
 BENCH_EXTRA_MODULES = ("aiohttp", "httpx", "matplotlib", "psutil")
 MISSING_EXTRA = "kvrelay bench needs the bench extra: pip install 'kvrelay[bench]'"
 MISSING_EXTRA_EXIT_CODE = 2
+BENCH_PACKAGE = "services.bench"
+MISSING_PACKAGE = (
+    "kvrelay bench is not part of this installation (the images leave services/bench out): "
+    "run it from a source checkout, with pip install -e '.[bench]'"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +51,9 @@ def missing_modules(names: Sequence[str] = BENCH_EXTRA_MODULES) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if missing_modules([BENCH_PACKAGE]):  # finds it without importing it
+        print(MISSING_PACKAGE, file=sys.stderr)
+        return MISSING_EXTRA_EXIT_CODE
     missing = missing_modules()
     if missing:
         print(f"{MISSING_EXTRA} (missing: {', '.join(missing)})", file=sys.stderr)

@@ -49,7 +49,7 @@ class _Line:
 
 def run(args: argparse.Namespace) -> int:
     from services.codec.text.tokenizer import Tokenizer
-    from services.engine.core import EngineCore
+    from services.engine.loading.factory import build_core
 
     cfg = load_config(args.config)
     model_update: dict[str, Any] = {}
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         model_update["dtype"] = args.dtype
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model_update)})
     tokenizer = Tokenizer.from_dir(Path(cfg.model.path))
-    engine = EngineCore.from_config(cfg)
+    engine = build_core(cfg)
     defaults = {
         "max_tokens": args.max_tokens or cfg.limits.default_max_output_tokens,
         "temperature": 0.0 if args.temperature is None else args.temperature,

@@ -12,7 +12,7 @@ from pathlib import Path
 from services.common.errors import ConfigError
 from services.common.manifest import MANIFEST_NAME, Manifest, load_verified_manifest
 
-# services.engine.prepare.PACKAGED_GGUFS, named here so the CLI parser does not import the engine side.
+# engine.loading.prepare.PACKAGED_GGUFS, named here so the CLI parser does not import the engine side.
 PACKAGED_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 
 
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def prepare_model(args: argparse.Namespace) -> int:
     """Prepare a model directory and print its fingerprints and how long it took."""
-    from services.engine.prepare import prepare_from_dir, prepare_from_gguf, prepare_from_package
+    from services.engine.loading.prepare import prepare_from_dir, prepare_from_gguf, prepare_from_package
 
     started = time.perf_counter()
     if args.from_dir is not None:

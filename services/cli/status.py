@@ -7,7 +7,8 @@ Workers show their role (colocated, prefill or decode) and, in a disaggregated s
 counters: bytes sent (prefill) or received (decode), remote prefills, and remote prefills that fell back
 to a local recompute. Each worker also shows the weights it serves (model.weights resolved, the largest
 step its C kernels take, the weights' resident bytes) and how many engine steps took each path (the C
-kernels, torch's GEMMs). `--json` prints the codec's document unchanged.
+kernels, torch's GEMMs). `--json` prints the codec's document unchanged. The document comes from
+services/common/status_client.py (which the benchmarks read counters with too).
 """
 
 from __future__ import annotations
@@ -16,17 +17,14 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.common.errors import KvrelayError
+from services.common.status_client import StackUnreachableError, fetch_status
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "KVRELAY_URL"
 EXIT_UNREACHABLE = 1
-TIMEOUT_S = 5.0
 
 COLUMNS = (
     "NAME",
@@ -45,10 +43,6 @@ COLUMNS = (
 )
 
 
-class StackUnreachableError(KvrelayError):
-    """The stack did not answer GET /status with a JSON status document."""
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show what each service of a running stack is doing")
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
@@ -65,34 +59,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNREACHABLE
     print(json.dumps(document, indent=2) if args.json else format_table(document["services"]))
     return 0
-
-
-API_KEY_ENV = "KVRELAY_API_KEY"
-
-
-def fetch_status(url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
-    """GET {url}/status (no proxy); the parsed document, which has a `services` list."""
-    status_url = url.rstrip("/") + "/status"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    request = urllib.request.Request(status_url)
-    api_key = os.environ.get(API_KEY_ENV)
-    if api_key:  # a stack with API keys answers /status only to a key holder
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with opener.open(request, timeout=timeout_s) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:
-        raise StackUnreachableError(f"{status_url} answered HTTP {exc.code}") from None
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise StackUnreachableError(f"no kvrelay stack answers at {url} ({reason})") from None
-    try:
-        document = json.loads(body)
-    except ValueError:
-        raise StackUnreachableError(f"{status_url} did not answer with JSON") from None
-    if not isinstance(document, dict) or not isinstance(document.get("services"), list):
-        raise StackUnreachableError(f"{status_url} answered JSON without a `services` list")
-    return document
 
 
 def format_table(services: Sequence[Mapping[str, Any]]) -> str:

@@ -30,8 +30,13 @@ from typing import Any
 
 import anyio
 
-from services.codec.admission.errors import StepTimeoutError
-from services.codec.backend.protocol import Backend, BackendFailedError, GenerationRequest, TokenDelta
+from services.codec.backend.protocol import (
+    Backend,
+    BackendFailedError,
+    GenerationRequest,
+    StepTimeoutError,
+    TokenDelta,
+)
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.text.detokenizer import IncrementalDetokenizer
 from services.codec.text.stop_strings import StopStringMatcher

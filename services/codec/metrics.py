@@ -25,8 +25,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from services.codec.admission.tenancy import DEFAULT_TENANT, Tenant
 from services.common import tracing
+from services.common.tenants import DEFAULT_TENANT, Tenant
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

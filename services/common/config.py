@@ -41,7 +41,7 @@ class ModelConfig(_Section):
     # How the model writes a tool call (services/codec/text/tool_calls.py). auto: Qwen's <tool_call> tokens
     # (hermes), else Llama 3's <|python_tag|> (llama3), else the JSON form of the shipped templates (json).
     tool_call_format: Literal["auto", "json", "hermes", "llama3"] = "auto"
-    # Which weights the engine loads (services/engine/loader.py): safetensors, the prepared directory's
+    # Which weights the engine loads (engine/loading/loader.py): safetensors, the prepared directory's
     # float weights in model.dtype; gguf, the GGUF's Q4_1/Q8_0 blocks as stored (model.gguf, kept by
     # `kvrelay models prepare`), run by the CPU kernels with fp32 activations; gguf-int8, the same with
     # the small steps' kernels on int8 activations (large steps unpack each matrix per step); gguf-hybrid,
@@ -56,7 +56,7 @@ class ModelConfig(_Section):
 class EngineConfig(_Section):
     block_size: int = Field(default=16, ge=1, le=256)
     kv_cache_memory_mb: int = Field(default=512, gt=0)
-    # A step's token budget; unset: 256 on a CPU, 2048 on a GPU (services/engine/device.py).
+    # A step's token budget; unset: 256 on a CPU, 2048 on a GPU (services/engine/loading/device.py).
     max_num_batched_tokens: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(default=None, ge=1)
@@ -66,7 +66,7 @@ class EngineConfig(_Section):
     small_step_max_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0)
-    # auto: the first visible CUDA device, else the CPU (services/engine/device.py).
+    # auto: the first visible CUDA device, else the CPU (services/engine/loading/device.py).
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     # On a GPU: this engine's share of the device's total memory (weights, activations, KV together);
     # workers sharing one device may take at most 0.95 between them. Unused on a CPU.
@@ -74,7 +74,7 @@ class EngineConfig(_Section):
     # auto: the C kernels on a CPU (ops/kernels.c); on a GPU the Triton kernels (ops/triton) where every
     # layer has a specialization, else torch-native. torch: torch-native everywhere (the oracle and a
     # debugging switch). triton: the Triton kernels, refused at load where a layer has none; on a CPU
-    # they run under Triton's interpreter (slow: tests). services/engine/attention_backend.py.
+    # they run under Triton's interpreter (slow: tests). services/engine/layers/attention_backend.py.
     attention: Literal["auto", "torch", "triton"] = "auto"
     # The KV cache's element type. auto: float16 under model.weights gguf-int8 on the CPU kernels (as
     # llama.cpp keeps its cache: half the bytes a decode step's attention reads, twice the tokens per MB),
@@ -103,7 +103,7 @@ class LimitsConfig(_Section):
     max_input_tokens: int = Field(default=8192, gt=0)
     max_output_tokens: int = Field(default=1024, gt=0)
     default_max_output_tokens: int = Field(default=256, gt=0)
-    # None: the device's default (engine/device.py: 32 sequences on a CPU, 256 on a GPU)
+    # None: the device's default (engine/loading/device.py: 32 sequences on a CPU, 256 on a GPU)
     batch_size_limit: int | None = Field(default=None, gt=0)
     step_timeout_ms: int = Field(default=2000, gt=0)
     request_timeout_ms: int = Field(default=2_400_000, gt=0)

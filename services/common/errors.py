@@ -14,9 +14,11 @@
     │   ├── InvalidSamplingError
     │   └── ContextLengthExceededError
     ├── DuplicateRequestError        a request ID that is already running
-    └── RequestNotFoundError         abort or lookup of an unknown request ID
+    ├── RequestNotFoundError         abort or lookup of an unknown request ID
+    └── EngineDeadError              the engine loop stopped after an internal error
 
-User input is checked by raising these, never with `assert`.
+User input is checked by raising these, never with `assert`. On the internal gRPC API each maps to one
+status code (services/common/grpc_server.py `abort_for`).
 """
 
 from __future__ import annotations
@@ -111,3 +113,7 @@ class DuplicateRequestError(KvrelayError):
 
 class RequestNotFoundError(KvrelayError):
     """No request with this ID is known."""
+
+
+class EngineDeadError(KvrelayError):
+    """The engine loop stopped after an internal error; the service must restart."""

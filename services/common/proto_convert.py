@@ -8,14 +8,14 @@ a clear refusal before anything is queued, never an engine assertion.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
+from services.common.engine_input import (
+    EngineInput,
+    check_request,
+    check_request_id,
+)
 from services.common.errors import (
-    EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingError,
-    TokenOutOfRangeError,
 )
 from services.common.grammar import GrammarKind, GrammarSpec
 from services.common.outputs import FinishReason, TokenLogprob
@@ -23,8 +23,6 @@ from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 
-MAX_REQUEST_ID_LEN = 128  # the codec's own are 28 characters: req_ and 24 hex digits
-MAX_CACHE_SALT_BYTES = 64  # the codec's are 16
 MAX_SESSION_KEY_LEN = 128  # the codec's are 32 hex digits
 
 # HANDOFF never crosses: a prefill replica's handoff is the header's first token, not a finish.
@@ -85,46 +83,24 @@ def grammar_from_proto(msg: pb.SamplingParams) -> GrammarSpec | None:
     return GrammarSpec(kind, msg.grammar.text, msg.grammar.strict)
 
 
-@dataclass(frozen=True)
-class EngineInput:
-    """A Generate or Prefill request's values, range-checked: what a worker hands its engine."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: bytes
-
-
 def engine_input_from_proto(
     request: pb.GenerateRequest | kvpb.PrefillRequest, vocab_size: int, request_id: str = ""
 ) -> EngineInput:
-    """The request's values, each checked (InvalidRequestError names the first one out of range).
-    `request_id` stands in for an empty `request.request_id` (the caller's x-request-id metadata)."""
-    salt = bytes(request.cache_salt)
-    if len(salt) > MAX_CACHE_SALT_BYTES:
-        raise InvalidRequestError(
-            f"cache_salt holds {len(salt)} bytes; the limit is {MAX_CACHE_SALT_BYTES}", param="cache_salt"
-        )
-    return EngineInput(
-        request_id=request_id_from_proto(request.request_id or request_id),
-        prompt_token_ids=prompt_from_proto(request.prompt_token_ids, vocab_size),
-        params=sampling_from_proto(request.sampling, vocab_size),
+    """The request's values, each checked once (engine_input.check_request; InvalidRequestError names the
+    first one out of range). `request_id` stands in for an empty `request.request_id` (the caller's
+    x-request-id metadata)."""
+    return check_request(
+        request.request_id or request_id,
+        request.prompt_token_ids,
+        sampling_from_proto(request.sampling),
+        vocab_size,
         priority=request.priority,
-        cache_salt=salt,
+        cache_salt=bytes(request.cache_salt),
     )
 
 
 def request_id_from_proto(request_id: str) -> str:
-    """A request ID names one stream in every service it crosses: 1 to MAX_REQUEST_ID_LEN printable
-    ASCII characters (it goes into logs and metadata)."""
-    if not request_id:
-        raise InvalidRequestError("request_id must not be empty", param="request_id")
-    if len(request_id) > MAX_REQUEST_ID_LEN or not (request_id.isascii() and request_id.isprintable()):
-        raise InvalidRequestError(
-            f"request_id must be at most {MAX_REQUEST_ID_LEN} printable ASCII characters", param="request_id"
-        )
-    return request_id
+    return check_request_id(request_id)
 
 
 def session_key_from_proto(session_key: str) -> str:
@@ -136,20 +112,9 @@ def session_key_from_proto(session_key: str) -> str:
     return session_key
 
 
-def prompt_from_proto(token_ids: Sequence[int], vocab_size: int) -> list[int]:
-    """The prompt's token IDs, none empty and each in [0, vocab_size)."""
-    prompt = list(token_ids)
-    if not prompt:
-        raise EmptyPromptError()
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise TokenOutOfRangeError(next(t for t in prompt if not 0 <= t < vocab_size), vocab_size)
-    return prompt
-
-
-def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
-    """The parameters, validated (InvalidSamplingError names the first one out of range; with
-    `vocab_size`, stop token IDs must lie in the vocabulary). Floats travel as float32; round them back
-    so 0.9 stays 0.9 for validation and seeding."""
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """The parameters, not yet checked (engine_input_from_proto checks them with the rest of the request).
+    Floats travel as float32; round them back so 0.9 stays 0.9 for validation and seeding."""
     params = SamplingParams(
         n=msg.n or 1,
         temperature=_f(msg.temperature),
@@ -167,7 +132,6 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int | None = None) -
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         grammar=grammar_from_proto(msg),
     )
-    params.validate(vocab_size)
     return params
 
 

@@ -1,7 +1,7 @@
 """Sampling parameters: the per-request knobs shared by the codec and the engine.
 
 Torch-free on purpose: the codec builds and validates these, the engine's sampler consumes them.
-Semantics (applied by services/engine/sampler.py, in this order):
+Semantics (applied by services/engine/layers/sampler.py, in this order):
 
 - `repetition_penalty` (HF/vLLM): every token seen in the prompt or the output so far has its logit
   divided by the penalty when positive and multiplied by it otherwise. 1.0 is off.

@@ -80,8 +80,8 @@ class RemotePrefill:
         self.counters = counters
         self.transfer_timeout_s = transfer_timeout_s
         self.receivers: Mapping[str, KVReceiver] = receivers or {"grpc": GrpcReceiver()}
-        self.device = engine.core.device
-        self.vocab_size = engine.core.model_config.vocab_size
+        self.device = engine.device
+        self.vocab_size = engine.vocab_size
         self._ipc_refused: dict[str, float] = {}  # prefill address -> until when it gets grpc instead
         self._stubs: dict[str, kv_transfer_pb2_grpc.PrefillStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -97,13 +97,7 @@ class RemotePrefill:
         runs it locally). `engine_input` holds the request's checked values. `trace` gets the queue,
         kv_transfer and decode spans."""
         request_id = engine_input.request_id
-        num_skip = await self.engine.reserve_remote(
-            request_id,
-            engine_input.prompt_token_ids,
-            engine_input.params,
-            priority=engine_input.priority,
-            cache_salt=engine_input.cache_salt,
-        )
+        num_skip = await self.engine.reserve_remote(engine_input)
         if num_skip is None:
             return
         trace.taken()

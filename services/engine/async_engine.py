@@ -17,17 +17,16 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from services.common.errors import DuplicateRequestError
+import torch
+
+from services.common.engine_input import EngineInput, check_request, check_unique
+from services.common.errors import EngineDeadError
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, RequestOutput
 from services.engine.kv_export import KVExport
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an internal error; the service must restart."""
 
 
 @dataclass
@@ -162,6 +161,16 @@ class AsyncEngine:
         """The snapshot taken after the last step (cheap, thread-safe)."""
         return self._stats
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size, for the services that check a request before `generate_checked`."""
+        return self.core.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV cache lives (received KV is assembled there)."""
+        return self.core.device
+
     async def generate(
         self,
         request_id: str,
@@ -172,37 +181,39 @@ class AsyncEngine:
         cache_salt: bytes = b"",
         export_kv_from: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one output per new token until all n sequences finish. Bad input raises before queueing.
-        With `export_kv_from` (prefill replica) the one output carries the prompt's KV (`output.kv`)."""
-        stream = self._open(request_id, prompt_token_ids, params)
-        prompt = list(prompt_token_ids)
-        self._submit(lambda: self._add(request_id, prompt, params, priority, cache_salt, export_kv_from))
-        async for item in self._outputs(request_id, stream, params.n):
+        """The entry for callers that hold raw values: checks them (engine_input.check_request) and refuses
+        an ID that already has a stream here, then runs it (`generate_checked`)."""
+        request = check_request(
+            request_id, prompt_token_ids, params, self.vocab_size, priority=priority, cache_salt=cache_salt
+        )
+        self._refuse_open_id(request_id)
+        async for item in self.generate_checked(request, export_kv_from=export_kv_from):
             yield item
 
-    async def reserve_remote(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: bytes = b"",
-    ) -> int | None:
-        """Decode replica: reserve blocks for a prompt whose KV comes from a prefill replica. Returns the
-        prompt tokens already cached here, or None (no room: nothing is held, use `generate`). After a
-        reservation the caller must end with `install_remote` or `resume_local` and read `outputs`, or
-        `abort` the request."""
-        stream = self._open(request_id, prompt_token_ids, params)
+    async def generate_checked(
+        self, request: EngineInput, *, export_kv_from: int | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream one output per new token of a checked request until all n sequences finish. Its caller
+        holds the ID (the worker's in-flight set, or `generate`): nothing here checks it again. With
+        `export_kv_from` (prefill replica) the one output carries the prompt's KV (`output.kv`)."""
+        stream = self._open(request.request_id)
+        self._submit(lambda: self._add(request, export_kv_from))
+        async for item in self._outputs(request.request_id, stream, request.params.n):
+            yield item
+
+    async def reserve_remote(self, request: EngineInput) -> int | None:
+        """Decode replica: reserve blocks for a checked request whose prompt KV comes from a prefill replica
+        (its caller holds the ID). Returns the prompt tokens already cached here, or None (no room: nothing
+        is held, use `generate_checked`). After a reservation the caller must end with `install_remote` or
+        `resume_local` and read `outputs`, or `abort` the request."""
+        request_id = request.request_id
+        stream = self._open(request_id)
         loop = asyncio.get_running_loop()
         result: asyncio.Future[int | None] = loop.create_future()
-        prompt = list(prompt_token_ids)
 
         def reserve() -> None:
             try:
-                num_skip = self.core.reserve_remote(
-                    request_id, prompt, params, priority=priority, cache_salt=cache_salt
-                )
+                num_skip = self.core.reserve(request)
             except Exception as exc:  # a typed error for the caller, not the loop
                 loop.call_soon_threadsafe(_settle, result, None, exc)
                 return
@@ -245,12 +256,12 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self._submit(lambda: self.core.end_reserved(request_id, reason))
 
-    def _open(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> _Stream:
+    def _refuse_open_id(self, request_id: str) -> None:
+        check_unique(request_id, self._streams)  # never take over a running request's stream
+
+    def _open(self, request_id: str) -> _Stream:
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
-        self.core.validate(prompt_token_ids, params)
-        if request_id in self._streams:  # never take over a running request's stream
-            raise DuplicateRequestError(f"request {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         return stream
@@ -294,22 +305,12 @@ class AsyncEngine:
 
     # -- engine thread ------------------------------------------------------------------------------
 
-    def _add(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        priority: int,
-        key: bytes,
-        export_kv_from: int | None,
-    ) -> None:
-        stream = self._streams.get(request_id)
+    def _add(self, request: EngineInput, export_kv_from: int | None) -> None:
+        stream = self._streams.get(request.request_id)
         if stream is None:  # the caller went away before its request reached the engine
             return
         try:
-            self.core.add_request(
-                request_id, prompt, params, priority=priority, cache_salt=key, export_kv_from=export_kv_from
-            )
+            self.core.add(request, export_kv_from=export_kv_from)
         except Exception as exc:  # a typed error for the caller, not the loop
             stream.deliver(exc)
             return

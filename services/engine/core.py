@@ -12,7 +12,7 @@ Structured output: a request with `params.grammar` gets one matcher per sample w
 rows' logits each step, and the sample ends once its grammar is complete (Request.check_stop).
 
 The core is handed its parts (a scheduler over a KV cache manager and block pool, and a `Runner`);
-`from_config` builds them from a model directory (factory.py), tests put a fake runner in.
+`loading/factory.py` builds them from a model directory (`build_core`); tests put a fake runner in.
 """
 
 from __future__ import annotations
@@ -25,25 +25,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.block_hash import BlockHasher, root_hash
-from services.common.config import KvrelayConfig
+from services.common.engine_input import EngineInput, check_request
 from services.common.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
-    EmptyPromptError,
     InvalidRequestError,
-    TokenOutOfRangeError,
 )
 from services.common.grammar import GrammarError
 from services.common.manifest import Manifest
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
-from services.engine.block_pool import BlockPoolStats, KVEvent
-from services.engine.grammar_matchers import GrammarMatchers
 from services.engine.kv_export import KVExport, KVTransferError
-from services.engine.models.config import ModelConfig
-from services.engine.request import Request, RequestStatus
+from services.engine.layers.grammar_matchers import GrammarMatchers
+from services.engine.model_config import ModelConfig
 from services.engine.runner_protocol import PendingStep, Runner
-from services.engine.scheduler import PendingToken, Scheduler, StepUpdate
+from services.engine.scheduling.block_pool import BlockPoolStats, KVEvent
+from services.engine.scheduling.request import Request, RequestStatus
+from services.engine.scheduling.scheduler import PendingToken, Scheduler, StepUpdate
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -145,13 +143,6 @@ class EngineCore:
         self.served = served or ServedWeights("safetensors", 0)
         self._in_flight: _InFlight | None = None
 
-    @classmethod
-    def from_config(cls, config: KvrelayConfig) -> EngineCore:
-        """Load the model `config` names and build the core and its parts for it (factory.py)."""
-        from services.engine.factory import build_core
-
-        return build_core(config)
-
     @property
     def weight_dtype(self) -> torch.dtype:
         return self.runner.weight_dtype
@@ -166,17 +157,27 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise a typed InvalidRequestError for bad input. Allocates nothing."""
-        if not prompt_token_ids:
-            raise EmptyPromptError()
-        vocab = self.model_config.vocab_size
-        for token_id in prompt_token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
-                raise TokenOutOfRangeError(token_id, vocab)
-        params.validate(vocab)
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def check(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: bytes = b"",
+    ) -> EngineInput:
+        """The library's one check of a request's values (engine_input.check_request) against this model's
+        vocabulary, and of its ID against the requests live here. Allocates nothing."""
+        request = check_request(
+            request_id, prompt_token_ids, params, self.vocab_size, priority=priority, cache_salt=cache_salt
+        )
+        if self.scheduler.live_samples(request_id):
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
+        return request
 
     def add_request(
         self,
@@ -189,34 +190,31 @@ class EngineCore:
         arrival_time: float | None = None,
         export_kv_from: int | None = None,
     ) -> None:
-        """Queue a request: n sequences for n > 1, samples 0..n-1 of `request_id`.
+        """Check a request (`check`) and queue it (`add`): the entry for callers that hold raw values."""
+        request = self.check(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        self.add(request, arrival_time=arrival_time, export_kv_from=export_kv_from)
+
+    def add(
+        self, request: EngineInput, *, arrival_time: float | None = None, export_kv_from: int | None = None
+    ) -> None:
+        """Queue a checked request, whose ID its caller holds (AsyncEngine, `add_request`): n sequences for
+        n > 1, samples 0..n-1 of its ID.
 
         With `export_kv_from` (a prefill replica), the request stops after its first token unless that
         token ends it, and its output carries the KV of prompt positions export_kv_from.. ."""
-        samples = self._new_samples(
-            request_id, prompt_token_ids, params, priority, cache_salt, arrival_time, export_kv_from
-        )
-        for request in samples:
-            self.scheduler.add(request)
+        for sample in self._new_samples(request, arrival_time, export_kv_from):
+            self.scheduler.add(sample)
 
     def _new_samples(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        priority: int,
-        cache_salt: bytes,
-        arrival_time: float | None,
-        export_kv_from: int | None,
+        self, request: EngineInput, arrival_time: float | None, export_kv_from: int | None
     ) -> list[Request]:
-        """The request's n sequences, checked and not yet queued; sample i > 0 is seeded seed + i."""
-        if not request_id:
-            raise InvalidRequestError("request_id must not be empty", param="request_id")
-        self.validate(prompt_token_ids, params)
-        if export_kv_from is not None and (params.n != 1 or not 0 <= export_kv_from < len(prompt_token_ids)):
+        """The request's n sequences, not yet queued; sample i > 0 is seeded seed + i. Checks what only
+        this engine knows: the context length, and a skip inside the prompt."""
+        prompt, params = request.prompt_token_ids, request.params
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(len(prompt), params.max_tokens, self.max_model_len)
+        if export_kv_from is not None and (params.n != 1 or not 0 <= export_kv_from < len(prompt)):
             raise InvalidRequestError("a remote prefill takes n=1 and a skip inside the prompt", param="n")
-        if self.scheduler.live_samples(request_id):
-            raise DuplicateRequestError(f"request {request_id!r} is already running")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params)
         samples = []
@@ -228,13 +226,13 @@ class EngineCore:
                 sample_params = params
             samples.append(
                 Request(
-                    parent_id=request_id,
+                    parent_id=request.request_id,
                     sample_index=index,
-                    prompt_token_ids=list(prompt_token_ids),
+                    prompt_token_ids=list(prompt),
                     params=sample_params,
-                    block_hasher=BlockHasher(self.root_hash, self.block_size, cache_salt),
+                    block_hasher=BlockHasher(self.root_hash, self.block_size, request.cache_salt),
                     eos_token_ids=self.eos_token_ids,
-                    priority=priority,
+                    priority=request.priority,
                     arrival_time=arrival,
                     max_model_len=self.max_model_len,
                     export_kv_from=export_kv_from,
@@ -260,16 +258,22 @@ class EngineCore:
         priority: int = 0,
         cache_salt: bytes = b"",
     ) -> int | None:
-        """Decode replica: hold blocks for a request whose prompt KV a prefill replica will send.
+        """Check a request (`check`) and `reserve` for it: the entry for callers that hold raw values."""
+        return self.reserve(
+            self.check(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        )
+
+    def reserve(self, request: EngineInput) -> int | None:
+        """Decode replica: hold blocks for a checked request whose prompt KV a prefill replica will send.
         Returns how many leading prompt tokens are already cached here (the prefill replica skips
         sending them), or None when the pool has no room (nothing is held; the caller computes the
         prompt here)."""
-        if params.n != 1:
+        if request.params.n != 1:
             raise InvalidRequestError("a remote prefill takes n=1", param="n")
-        [request] = self._new_samples(request_id, prompt_token_ids, params, priority, cache_salt, None, None)
-        if not self.scheduler.reserve(request):
+        [sample] = self._new_samples(request, None, None)
+        if not self.scheduler.reserve(sample):
             return None
-        return request.num_computed_tokens
+        return sample.num_computed_tokens
 
     def install_remote(self, request_id: str, first: TokenLogprob, export: KVExport) -> None:
         """Write received prompt KV into the reserved blocks and start decoding after `first`."""

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from services.engine.attention import AttentionMetadata, RowSpec
-from services.engine.attention_backend import PagedAttention
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention_backend import PagedAttention
+from services.engine.layers.attention_metadata import AttentionMetadata, RowSpec
+from services.engine.model_config import ModelConfig
 from services.engine.models.registry import CausalLM
 from services.engine.ops.triton.dispatch import NUM_SEGMENTS
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from services.common.outputs import TokenLogprob
-from services.engine.attention import RowSpec, build_metadata, slots_of, to_device
 from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.grammar_mask import GrammarMask
+from services.engine.layers.attention_metadata import RowSpec, build_metadata, slots_of, to_device
+from services.engine.layers.grammar_mask import GrammarMask
+from services.engine.layers.sampler import DeviceSample, SamplingBatch, SamplingRow, sample_on_device
 from services.engine.models.registry import CausalLM
-from services.engine.request import Request, SeqId
 from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
-from services.engine.sampler import DeviceSample, SamplingBatch, SamplingRow, sample_on_device
-from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.scheduling.request import Request, SeqId
+from services.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 
 from services.common.outputs import TokenLogprob
-from services.engine.request import SeqId
-from services.engine.scheduler import SchedulerOutput
+from services.engine.scheduling.request import SeqId
+from services.engine.scheduling.scheduler import SchedulerOutput
 
 
 @dataclass

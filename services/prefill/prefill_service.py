@@ -24,7 +24,9 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from services.common import tracing
-from services.common.errors import DuplicateRequestError, InvalidRequestError
+from services.common.engine_input import check_unique
+from services.common.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError
+from services.common.grpc_server import abort_for
 from services.common.outputs import TokenLogprob
 from services.common.proto_convert import (
     FINISH_TO_PROTO,
@@ -32,7 +34,7 @@ from services.common.proto_convert import (
     engine_input_from_proto,
     logprob_to_proto,
 )
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.async_engine import AsyncEngine
 from services.engine.core import RequestOutput
 from services.engine.kv_export import dtype_name
 from services.kvtransfer.chunks import KVTransferFault, Layout, num_chunks, seal_header
@@ -60,7 +62,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
         self.layout = layout
         self.counters = counters
         self.senders: dict[str, KVSender] = senders if senders is not None else {"grpc": GrpcSender()}
-        self.vocab_size = engine.core.model_config.vocab_size
+        self.vocab_size = engine.vocab_size
         self.in_flight: set[str] = in_flight if in_flight is not None else set()
 
     async def Prefill(
@@ -69,8 +71,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
         try:
             engine_input = engine_input_from_proto(request, self.vocab_size)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("unreachable") from exc  # context.abort raises
+            await abort_for(context, exc)
         refusal = self._refusal(request)
         if refusal is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
@@ -107,15 +108,9 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
                             self.counters.bytes_total += num_bytes
                             self.counters.remote_prefills_total += 1
                         yield kvpb.PrefillResponse(chunk=chunk)
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, DuplicateRequestError, EngineDeadError, KVTransferFault) as exc:
             error = exc
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except DuplicateRequestError as exc:
-            error = exc
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except (EngineDeadError, KVTransferFault) as exc:
-            error = exc
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_for(context, exc, unavailable=(KVTransferFault,))
         finally:
             if span.is_recording():
                 span.set_attribute("kvrelay.kv_bytes", num_bytes)
@@ -148,18 +143,10 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
         """The engine's one output for the prompt (its first token and KV), under the request's ID held
         in `in_flight` until then (DuplicateRequestError if another request holds it)."""
         request_id = engine_input.request_id
-        if request_id in self.in_flight:
-            raise DuplicateRequestError(f"request {request_id!r} is already in flight")
+        check_unique(request_id, self.in_flight)
         self.in_flight.add(request_id)
         try:
-            stream = self.engine.generate(
-                request_id,
-                engine_input.prompt_token_ids,
-                engine_input.params,
-                priority=engine_input.priority,
-                cache_salt=engine_input.cache_salt,
-                export_kv_from=request.num_skip_tokens,
-            )
+            stream = self.engine.generate_checked(engine_input, export_kv_from=request.num_skip_tokens)
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     return output

@@ -26,8 +26,10 @@ from opentelemetry.trace import Span, SpanKind
 
 from services.common import tracing
 from services.common.config import DisaggregationConfig, RouterConfig
-from services.common.errors import InvalidRequestError
+from services.common.engine_input import check_unique
+from services.common.errors import DuplicateRequestError, InvalidRequestError
 from services.common.grpc_auth import request_id_of
+from services.common.grpc_server import abort_for
 from services.common.proto_convert import request_id_from_proto, session_key_from_proto
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
@@ -186,12 +188,9 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         try:
             request_id = request_id_from_proto(request.request_id or request_id_of(context))
             session_key_from_proto(request.session_key)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("unreachable") from exc  # context.abort raises
-        if request_id in self.in_flight:
-            message = f"request {request_id!r} is already in flight"
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
+            check_unique(request_id, self.in_flight)
+        except (InvalidRequestError, DuplicateRequestError) as exc:
+            await abort_for(context, exc)
         self.in_flight.add(request_id)
         # The router's span of the request's trace (the codec's request span is its parent): the choice,
         # then the forwarded stream until its end. Never made current: this generator yields.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass
 
 import grpc
@@ -19,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common import tracing
 from services.common.config import DisaggregationConfig, RouterConfig, TlsConfig, TracingConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
+from services.common.grpc_server import drain, stop_on_signals
 from services.common.grpc_tls import add_port
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.discovery import Discovery, StaticDiscovery
@@ -72,15 +72,11 @@ async def _serve(options: RouterOptions) -> None:
         "router started",
         extra={"address": address, "workers": options.workers, "discovery": type(discovery).__name__},
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     discoverer = _start_discovery(discovery, replicas, stop)
     refresher = asyncio.create_task(_refresh(replicas, health_servicer, stop))
     await stop.wait()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(options.grace_seconds)
+    await drain(server, health_servicer, options.grace_seconds)
     discoverer.cancel()
     refresher.cancel()
     await replicas.close()

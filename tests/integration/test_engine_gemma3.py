@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from services.common.sampling import SamplingParams
-from services.engine.block_pool import NO_BLOCK
+from services.engine.scheduling.block_pool import NO_BLOCK
 from tests.engine_helpers import make_engine
 from tests.integration.test_engine_qwen import (
     NUM_NEW_TOKENS,

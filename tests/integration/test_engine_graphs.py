@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.common.errors import ConfigError
 from services.common.sampling import SamplingParams
-from services.engine.attention import RowSpec, build_metadata
 from services.engine.cuda_graphs import DecodeGraphs, decode_buckets
+from services.engine.layers.attention_metadata import RowSpec, build_metadata
 from services.engine.runner import ModelRunner
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tiny_model import make_tiny_llama

@@ -15,7 +15,7 @@ import torch
 
 from services.common.manifest import MANIFEST_NAME
 from services.common.sampling import SamplingParams
-from services.engine.prepare import prepare_from_dir
+from services.engine.loading.prepare import prepare_from_dir
 from tests.engine_helpers import (
     assert_follows_reference,
     make_engine,

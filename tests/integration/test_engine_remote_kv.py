@@ -16,8 +16,8 @@ import torch
 from services.common.config import load_config
 from services.common.errors import ConfigError
 from services.engine.core import EngineCore
-from services.engine.factory import build_core_from_loaded
-from services.engine.loader import load_model
+from services.engine.loading.factory import build_core_from_loaded
+from services.engine.loading.loader import load_model
 from tests.engine_helpers import generate, make_engine, run_to_completion
 from tests.tiny_model import make_tiny_llama
 from tests.unit.test_engine_remote_kv import GREEDY, PROMPTS, assert_idle, prefill

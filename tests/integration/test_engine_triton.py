@@ -20,8 +20,8 @@ from services.common.config import load_config
 from services.common.errors import ConfigError
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
-from services.engine.factory import build_core_from_loaded
-from services.engine.loader import load_state_dict
+from services.engine.loading.factory import build_core_from_loaded
+from services.engine.loading.loader import load_state_dict
 from services.engine.ops.triton.launch import TritonAttention
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tiny_model import make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3
@@ -83,7 +83,8 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused_with_the_fix(tmp_pat
     model_dir = make_tiny_llama(tmp_path / "llama", **SHAPE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "import sys; from services.engine.loader import load_model; from services.common.errors import "
+        "import sys; from services.engine.loading.loader import load_model\n"
+        "from services.common.errors import "
         "ModelLoadError\ntry:\n load_model(sys.argv[1], 'float32', attention='triton')\n"
         "except ModelLoadError as e:\n print(e); sys.exit(3)"
     )

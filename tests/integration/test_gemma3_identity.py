@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from services.common.manifest import load_verified_manifest
-from services.engine.models.config import ModelConfig
+from services.engine.model_config import ModelConfig
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.integration.test_engine_identity import assert_matches, submit
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from services.common.manifest import GGUF_WEIGHTS_NAME, load_verified_manifest
-from services.engine.attention import RowSpec, build_metadata
-from services.engine.loader import LoadedModel, load_model
+from services.engine.layers.attention_metadata import RowSpec, build_metadata
+from services.engine.loading.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""A decode graph capture that fails on a Triton compile error (services/engine/factory.py `_captured`).
+"""A decode graph capture that fails on a Triton compile error (engine/loading/factory.py `_captured`).
 
 Triton's errors are not RuntimeErrors: a kernel that does not compile for the GPU raises a
 `triton.compiler.errors.CompilationError` in the capture's warm-up. With `engine.cuda_graphs` unset the
@@ -21,8 +21,8 @@ import torch
 from triton.compiler.errors import CompilationError
 
 from services.common.sampling import SamplingParams
-from services.engine import factory
-from services.engine.attention_backend import PagedAttention
+from services.engine.layers.attention_backend import PagedAttention
+from services.engine.loading import factory
 from services.engine.ops.triton import kernels
 from services.engine.runner import ModelRunner
 from tests.engine_helpers import generate, make_engine

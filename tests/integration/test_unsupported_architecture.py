@@ -12,7 +12,7 @@ import pytest
 
 from services.common.errors import CONFIG_EXIT_CODE, ModelLoadError
 from services.common.manifest import compute_manifest, write_manifest
-from services.engine.loader import load_model
+from services.engine.loading.loader import load_model
 from tests.stack_helpers import REPO_ROOT, free_port, stack_env
 from tests.tiny_model import make_tiny_llama
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.attention import RowSpec, build_metadata, paged_attention, reference_attention, write_kv
-from services.engine.block_pool import NO_BLOCK
+from services.engine.layers.attention import paged_attention, write_kv
+from services.engine.layers.attention_metadata import RowSpec, build_metadata
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
+from services.engine.ops.reference import reference_attention
+from services.engine.scheduling.block_pool import NO_BLOCK
 
 BLOCK_SIZE = 4
 TOL = 1e-5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.block_pool import BlockPool
+from services.engine.scheduling.block_pool import BlockPool
 
 
 def h(i: int) -> bytes:

@@ -1,6 +1,7 @@
 """The `kvrelay bench` stub (services/cli/bench.py): it checks the same packages the `bench` extra
 installs, builds the kvrelay parser without loading services.bench, hands every argument (--help too)
-to services.bench, and without the extra prints one line saying how to install it and exits 2."""
+to services.bench, and without the extra prints one line saying how to install it and exits 2 (without
+services/bench itself, as in the images, one line saying so)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from services.cli import bench as stub
 from services.cli.main import main
 from tests.conftest import REPO_ROOT
 
-# Runs `kvrelay <argv>` with the named top-level modules made unimportable, then reports whether
-# services.bench was loaded.
+# Runs `kvrelay <argv>` with the named modules (and their submodules) made unimportable, then reports
+# whether services.bench was loaded.
 BLOCKED_RUN = """
 import importlib.abc, sys
 blocked = set(sys.argv[1].split(",")) - {""}
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in blocked:
+        if any(name == b or name.startswith(b + ".") for b in blocked):
             raise ImportError(f"{name} is not installed here")
 sys.meta_path.insert(0, Blocker())
 from services.cli.main import build_parser, main
@@ -81,6 +82,14 @@ def test_without_the_bench_extra_kvrelay_bench_says_how_to_install_it_in_one_lin
     [line] = done.stderr.splitlines()
     assert line == f"{stub.MISSING_EXTRA} (missing: httpx, matplotlib)"
     assert "pip install 'kvrelay[bench]'" in line
+    assert done.stdout.splitlines() == ["services.bench loaded: False"]
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "engine", "--help"]])
+def test_without_services_bench_kvrelay_bench_says_it_is_not_installed(argv: list[str]) -> None:
+    done = run_blocked([stub.BENCH_PACKAGE], *argv)
+    assert done.returncode == stub.MISSING_EXTRA_EXIT_CODE
+    assert done.stderr.splitlines() == [stub.MISSING_PACKAGE]
     assert done.stdout.splitlines() == ["services.bench loaded: False"]
 
 

@@ -17,11 +17,11 @@ import pytest
 
 from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
 from services.codec.admission.quota_store import counter_name
-from services.codec.admission.tenancy import cache_salt
 from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.state import CodecState
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
+from services.common.tenants import cache_salt
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread

@@ -32,7 +32,6 @@ from services.codec.admission.auth import (
     rpc_tenant,
     write_keys_file,
 )
-from services.codec.admission.tenancy import DEFAULT_TENANT, cache_salt
 from services.codec.errors import AuthenticationError
 from services.codec.grpc_public.server import PublicGrpcServer
 from services.codec.server import log_auth_mode
@@ -41,6 +40,7 @@ from services.codec.text.tokenizer import Tokenizer
 from services.common.config import AuthConfig, KvrelayConfig
 from services.common.errors import ConfigError
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
+from services.common.tenants import DEFAULT_TENANT, cache_salt
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread

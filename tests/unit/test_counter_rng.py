@@ -7,18 +7,16 @@ import random
 
 import torch
 
-from services.engine.counter_rng import (
+from services.engine.ops.counter_rng import (
     MASK64,
     counter_bits,
     counter_exponentials,
     derive_keys,
-    reference_bits,
-    reference_exponential,
-    reference_uniform,
+    derive_seed,
     to_int64,
     uniforms_from_bits_,
 )
-from services.engine.sampling_batch import derive_seed
+from services.engine.ops.reference import reference_bits, reference_exponential, reference_uniform
 
 EDGE_KEYS = (0, 1, 2, 2**62, 2**63 - 2, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1)
 EDGE_SEEDS = (0, 1, 2**62, 2**63 - 2, 2**63 - 1)  # SamplingParams.seed is below 2^63

@@ -33,8 +33,8 @@ from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.engine.async_engine import AsyncEngine
-from services.engine.block_pool import BlockPoolStats
 from services.engine.core import EngineStats
+from services.engine.scheduling.block_pool import BlockPoolStats
 from services.router.metrics import RouterCollector
 from services.router.router_service import RouterService
 from services.worker.counters import TransferCounters

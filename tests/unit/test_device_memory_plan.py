@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.common.errors import CapacityError
-from services.engine.device import (
+from services.engine.loading.device import (
     GIB,
     MIB,
     MemoryReading,

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from services.common.config import EngineConfig
 from services.common.errors import CapacityError, ConfigError
 from services.engine.cuda_graphs import estimate_graph_bytes
-from services.engine.device import (
+from services.engine.loading.device import (
     GIB,
     MIB,
     DeviceMemory,
@@ -22,7 +22,7 @@ from services.engine.device import (
     plan_device_blocks,
     resolve_device,
 )
-from services.engine.models.config import ModelConfig
+from services.engine.model_config import ModelConfig
 
 # Llama-3.1-8B's KV: 32 layers x 2 x 8 heads x 128 x 2 bytes = 128 KiB a token, 2 MiB a 16-token block.
 BLOCK_BYTES_8B = 32 * 2 * 8 * 128 * 2 * 16

@@ -1,4 +1,4 @@
-"""A GGUF's weights read as stored (services/engine/gguf_weights.py): for the SmolLM2 GGUF kvrelay ships,
+"""A GGUF's weights read as stored (engine/loading/gguf_weights.py): for the SmolLM2 GGUF kvrelay ships,
 every tensor, dequantized, is bit for bit the fp32 tensor transformers made of it in the prepared
 directory; Q and K need llama.cpp's row permutation undone; tiny GGUFs written here cover the rest."""
 
@@ -14,10 +14,10 @@ from gguf import quants as gguf_quants
 from safetensors.torch import load_file
 
 from services.common.errors import ModelLoadError
-from services.engine.gguf_weights import Weight, keeps_quantized, load_gguf_weights
-from services.engine.models.config import ModelConfig
+from services.engine.loading.gguf_weights import Weight, keeps_quantized, load_gguf_weights
+from services.engine.loading.prepare import default_gguf_path
+from services.engine.model_config import ModelConfig
 from services.engine.ops.quant import GGML_TYPES, QuantizedWeight, WeightFormat
-from services.engine.prepare import default_gguf_path
 
 
 def dense(weight: Weight) -> torch.Tensor:

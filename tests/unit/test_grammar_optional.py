@@ -17,7 +17,7 @@ from services.common.grammar import (
     GrammarUnavailableError,
 )
 from services.common.sampling import SamplingParams
-from services.engine.grammar_matchers import GrammarMatchers
+from services.engine.layers.grammar_matchers import GrammarMatchers
 from tests.engine_fakes import make_fake_engine
 
 REGEX = GrammarSpec(GrammarKind.REGEX, "a+")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import CapacityError
-from services.engine.kv_cache import _mem_available_bytes, cgroup_headroom_bytes, check_host_memory
+from services.engine.layers.kv_cache import _mem_available_bytes, cgroup_headroom_bytes, check_host_memory
 
 MB = 2**20
 

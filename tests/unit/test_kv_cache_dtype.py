@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from services.common.config import EngineConfig
 from services.common.errors import ConfigError
-from services.engine.loader import kv_fingerprint, resolve_kv_dtype
+from services.engine.loading.loader import kv_fingerprint, resolve_kv_dtype
 
 
 @dataclass

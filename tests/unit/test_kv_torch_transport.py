@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from services.engine.kv_export import KVExport
-from services.kvtransfer import torch_transport
+from services.kvtransfer import pair_groups
 from services.kvtransfer.chunks import DTYPES, KVAssembler, KVTransferFault, Layout, num_chunks
 from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender
@@ -274,7 +274,7 @@ async def test_concurrent_transfers_on_one_pair_stay_apart(
     peer: Peer, receiver: TorchReceiver, caplog: pytest.LogCaptureFixture
 ) -> None:
     specs = [Spec(seed=10 + i) for i in range(3)]
-    caplog.set_level(logging.INFO, logger="services.kvtransfer.torch_transport")
+    caplog.set_level(logging.INFO, logger="services.kvtransfer.pair_groups")
     async with peer.streams():
         await peer.transfer(receiver, Spec(seed=9))  # builds the pair group
         results = await asyncio.gather(*(peer.transfer(receiver, s) for s in specs))
@@ -308,13 +308,13 @@ async def test_missing_tensor_times_out_and_the_pair_recovers(
     The fault reaches D's caller only once the dead marker is written, however slow the marker is
     ("marker-late" delays it): otherwise P's next transfer would go out on the closed group and fail."""
     if marker_delay_s:
-        write = torch_transport._mark_dead
+        write = pair_groups._mark_dead
 
         def late(rendezvous: str, name: str, reason: str) -> None:
             threading.Event().wait(marker_delay_s)  # a slow store client, injected at the seam
             write(rendezvous, name, reason)
 
-        monkeypatch.setattr(torch_transport, "_mark_dead", late)
+        monkeypatch.setattr(pair_groups, "_mark_dead", late)
     receiver = TorchReceiver(timeout_s=STEP_TIMEOUT_S, host="127.0.0.1")
     try:
         async with peer.streams():

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.errors import ModelLoadError
-from services.engine.attention import AttentionMetadata, RowSpec, build_metadata
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention_metadata import AttentionMetadata, RowSpec, build_metadata
+from services.engine.model_config import ModelConfig
 from services.engine.models.llama import LlamaModel
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.engine.layers.rope import RotaryEmbedding
 from services.engine.ops import reference
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
-from services.engine.rope import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 from services.common.errors import ConfigError
 from services.common.manifest import GGUF_WEIGHTS_NAME
-from services.engine.loader import Precision, choose_weights, resolve_precision
+from services.engine.loading.loader import Precision, choose_weights, resolve_precision
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})

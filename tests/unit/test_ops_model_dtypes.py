@@ -15,14 +15,10 @@ from services.codec.text.chat_template import chat_template_from_tokenizer, rend
 from services.codec.text.tokenizer import Tokenizer
 from services.common.manifest import load_verified_manifest
 from services.common.sampling import SamplingParams
-from services.engine.attention import (
-    RowSpec,
-    build_metadata,
-    kernel_decode_attention,
-    paged_attention,
-    reference_attention,
-)
-from services.engine.loader import resolve_precision
+from services.engine.layers.attention import kernel_decode_attention, paged_attention
+from services.engine.layers.attention_metadata import RowSpec, build_metadata
+from services.engine.loading.loader import resolve_precision
+from services.engine.ops.reference import reference_attention
 from tests.engine_helpers import (
     assert_follows_reference,
     make_engine,

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
-from services.engine.models.llama import _BlockLinear
+from services.engine.loading.prepare import default_gguf_path
 from services.engine.ops import reference
+from services.engine.ops.block_linear import BlockLinear
 from services.engine.ops.build import OPTIONAL_CFLAGS, load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
@@ -29,7 +30,6 @@ from services.engine.ops.quant import (
     quantize,
     split,
 )
-from services.engine.prepare import default_gguf_path
 
 GGUF_FORMATS = [WeightFormat.Q8_0, WeightFormat.Q4_1]
 FORMATS = [*GGUF_FORMATS, WeightFormat.Q4_1_SPLIT, WeightFormat.Q8_0_SPLIT]  # what the kernels read
@@ -130,7 +130,7 @@ def test_a_bf16_unpacking_buffer_multiplies_in_bf16(kernels: CpuKernels) -> None
     activations): x rounded to bf16 times the weights rounded to bf16, the bias added in fp32."""
     x, bias = randn(70, 576, seed=4), randn(37, seed=6)  # [M, K], [N]
     weight = blocks(randn(37, 576, seed=5) * 0.1, WeightFormat.Q4_1_SPLIT)
-    linear = _BlockLinear(kernels, weight, bias, torch.empty(37 * 576 + 5, dtype=torch.bfloat16))
+    linear = BlockLinear(kernels, weight, bias, torch.empty(37 * 576 + 5, dtype=torch.bfloat16))
     expected = F.linear(x.bfloat16(), weight.dequantize().bfloat16()).float() + bias
     out = linear(x)
     assert out.dtype == torch.float32

@@ -14,8 +14,8 @@ import pytest
 
 from services.common.errors import ManifestMismatchError
 from services.common.manifest import GGUF_WEIGHTS_NAME, Manifest, load_verified_manifest, sha256_file
-from services.engine import prepare
-from services.engine.prepare import default_gguf_path, prepare_from_gguf
+from services.engine.loading import prepare
+from services.engine.loading.prepare import default_gguf_path, prepare_from_gguf
 
 
 @pytest.fixture(scope="module")

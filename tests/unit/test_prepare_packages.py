@@ -10,7 +10,7 @@ import pytest
 
 from services.cli.models import PACKAGED_MODELS
 from services.common.errors import ConfigError, CorruptModelError, ModelNotFoundError
-from services.engine.prepare import (
+from services.engine.loading.prepare import (
     DEFAULT_PACKAGE,
     PACKAGED_GGUFS,
     PackagedGGUF,

@@ -12,13 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
+from services.common.engine_input import MAX_REQUEST_ID_LEN
 from services.common.errors import InvalidRequestError
 from services.common.grpc_auth import TokenSource
-from services.common.proto_convert import (
-    MAX_REQUEST_ID_LEN,
-    engine_input_from_proto,
-    sampling_to_proto,
-)
+from services.common.proto_convert import engine_input_from_proto, sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb

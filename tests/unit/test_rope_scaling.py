@@ -23,13 +23,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
 from services.common.errors import ModelLoadError
-from services.engine.attention import RowSpec, build_metadata
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches
-from services.engine.loader import LoadedModel, load_state_dict
-from services.engine.models.config import ModelConfig
-from services.engine.models.rope_config import FULL_ATTENTION, SLIDING_ATTENTION
+from services.engine.layers.attention_metadata import RowSpec, build_metadata
+from services.engine.layers.kv_cache import KVCacheSpec, allocate_kv_caches
+from services.engine.layers.rope import RotaryEmbedding, attention_factor, cos_sin_at, inverse_frequencies
+from services.engine.loading.loader import LoadedModel, load_state_dict
+from services.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags
-from services.engine.rope import RotaryEmbedding, attention_factor, cos_sin_at, inverse_frequencies
 from tests.tiny_model import TINY_LLAMA
 
 

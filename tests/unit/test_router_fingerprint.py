@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.common.grpc_auth import TokenSource
-from services.engine.loader import weights_fingerprint
+from services.engine.loading.loader import weights_fingerprint
 from services.router.replicas import ReplicaSet
 from tests.router_fakes import FakeReplica, FakeServer, start_fake
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine.sampler import SamplerOutput, SamplingBatch, SamplingRow, compute_probs, sample
+from services.engine.layers.sampler import SamplerOutput, SamplingBatch, SamplingRow, compute_probs, sample
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -173,7 +173,7 @@ def test_greedy_batch_builds_no_filter_or_penalty_tensors() -> None:
 def test_the_gpu_top_p_path_keeps_the_same_tokens_as_the_candidate_path() -> None:
     """A GPU sorts every row in full (no read-back to find short rows); on the CPU the candidate search
     with its fallback runs. Both must keep the same set, here for peaked and for flat rows."""
-    from services.engine.sampler import _mask_top_p_
+    from services.engine.layers.sampler import _mask_top_p_
 
     torch.manual_seed(0)
     peaked = torch.randn(6, 1000) * 8  # [6, 1000]: the mass sits in a few candidates

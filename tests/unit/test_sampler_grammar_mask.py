@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine.sampler import AllowedTokens, SamplingBatch, SamplingRow, compute_probs, sample
-from services.engine.sampler_reference import reference_sample_probs, reference_sample_token
+from services.engine.layers.sampler import AllowedTokens, SamplingBatch, SamplingRow, compute_probs, sample
+from services.engine.ops.reference import reference_sample_probs, reference_sample_token
 
 VOCAB_SIZE = 200  # not a multiple of 32: the last word's high bits lie past the vocabulary
 NUM_WORDS = 7

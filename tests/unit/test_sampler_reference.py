@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine.sampler import SamplingBatch, SamplingRow, compute_probs, sample
-from services.engine.sampler_reference import reference_sample_probs, reference_sample_token
+from services.engine.layers.sampler import SamplingBatch, SamplingRow, compute_probs, sample
+from services.engine.ops.reference import reference_sample_probs, reference_sample_token
 
 VOCAB_SIZE = 64
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine import sampler as sampler_module
-from services.engine.sampler import SamplingBatch, SamplingRow, compute_probs, derive_seed, sample
+from services.engine.layers import sampler as sampler_module
+from services.engine.layers.sampler import SamplingBatch, SamplingRow, compute_probs, sample
+from services.engine.ops.counter_rng import derive_seed
 
 VOCAB_SIZE = 1000
 

@@ -7,10 +7,10 @@ import random
 from services.common.block_hash import BlockHasher, root_hash
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
-from services.engine.block_pool import BlockPool
-from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.request import Request, SeqId
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.kv_manager import KVCacheManager, PrefixCacheStats
+from services.engine.scheduling.request import Request, SeqId
+from services.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 BLOCK = 4
 ROOT = root_hash("test-model")

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.cli import status
-from services.cli.up import free_ports
+from services.common.local_stack import free_ports
 
 DOCUMENT = {
     "services": [

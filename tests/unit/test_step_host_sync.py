@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine import attention, grammar_mask, runner, sampler, sampling_batch
+from services.engine import runner
+from services.engine.layers import attention_metadata, grammar_mask, sampler, sampling_batch
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.host_sync_guard import guarding
 from tests.tiny_model import make_tiny_llama
@@ -39,7 +40,7 @@ def run_guarded(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
     core = make_engine(model_dir, attention="torch", overlap=True)
     monkeypatch.setattr(sampler, "_mask_top_p_", functools.partial(sampler._mask_top_p_, full_sort=True))
     launches = 0
-    with guarding(monkeypatch, [attention, runner, sampling_batch, grammar_mask]) as guard:
+    with guarding(monkeypatch, [attention_metadata, runner, sampling_batch, grammar_mask]) as guard:
         launch = core.runner.launch
 
         def guarded_launch(step: Any) -> Any:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.supervisor import RestartPolicy, Role, ServiceSpec, Supervisor, SupervisorOptions
 from services.common.errors import CONFIG_EXIT_CODE
+from services.common.supervisor import RestartPolicy, Role, ServiceSpec, Supervisor, SupervisorOptions
 from tests.conftest import REPO_ROOT
 
 FAKE_SERVICE = textwrap.dedent("""
@@ -263,7 +263,7 @@ def test_startup_gives_up_when_a_service_never_gets_healthy(
 
 SUPERVISOR_SCRIPT = textwrap.dedent("""
     import pathlib, sys
-    from services.cli.supervisor import Supervisor, SupervisorOptions
+    from services.common.supervisor import Supervisor, SupervisorOptions
     from tests.unit.test_supervisor import stack_specs
     out = pathlib.Path(sys.argv[1])
     specs = stack_specs(out, **{"worker-0": {"FAKE_IGNORE_TERM": "1"}})

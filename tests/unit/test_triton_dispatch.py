@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.attention_backend import TorchAttention, choose_attention
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention_backend import TorchAttention, choose_attention
+from services.engine.model_config import ModelConfig
 from services.engine.ops.triton.aot import H200_SHARED_BYTES
 from services.engine.ops.triton.dispatch import (
     BLOCK_SIZES,

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.attention import AttentionMetadata, RowSpec, build_metadata, reference_attention
-from services.engine.attention_backend import TorchAttention, checked_or_torch
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention_backend import TorchAttention, checked_or_torch
+from services.engine.layers.attention_metadata import AttentionMetadata, RowSpec, build_metadata
+from services.engine.layers.triton_self_check import self_check
+from services.engine.model_config import ModelConfig
+from services.engine.ops.reference import reference_attention
 from services.engine.ops.triton import kernels
 from services.engine.ops.triton.dispatch import GQA_RATIOS, KernelSpec
 from services.engine.ops.triton.launch import TritonAttention, _StepLayout
-from services.engine.ops.triton.self_check import self_check
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 

@@ -21,8 +21,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from services.engine.layers.triton_self_check import ONE_KEY_LIMIT, one_key_ratio
 from services.engine.ops.triton import kernels, launch
-from services.engine.ops.triton.self_check import ONE_KEY_LIMIT, one_key_ratio
 from tests.unit.test_triton_kernels import Step, max_error
 
 CONTEXT = 4096

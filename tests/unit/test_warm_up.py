@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.engine import factory
-from services.engine.kv_cache import KVCacheSpec
-from services.engine.loader import load_state_dict
+from services.engine.layers.kv_cache import KVCacheSpec
+from services.engine.loading import factory
+from services.engine.loading.loader import load_state_dict
 from tests.tiny_model import TINY_LLAMA
 
 

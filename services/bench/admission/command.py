@@ -39,8 +39,8 @@ import yaml
 
 from services.bench.admission.flood import FloodPlan, Readings, end_state, measure, settled
 from services.bench.spawn import UpSettings, UpStack, start_up_stack
-from services.cli.up import INTERNAL_HOST
 from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
+from services.common.local_stack import INTERNAL_HOST
 
 SETTLE_S = 10.0  # connections close asynchronously once the clients are done
 TENANTS = ("flooder", "other")

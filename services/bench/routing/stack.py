@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.status import StackUnreachableError, fetch_status
+from services.common.status_client import StackUnreachableError, fetch_status
 
 WORKER_ROLES = ("colocated", "decode")
 

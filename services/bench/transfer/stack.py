@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 
 from services.bench.spawn import SupervisedStack, bench_env, grpc_spec
-from services.cli.supervisor import Role, ServiceSpec
-from services.cli.up import INTERNAL_HOST, free_ports
+from services.common.local_stack import INTERNAL_HOST, free_ports
+from services.common.supervisor import Role, ServiceSpec
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 

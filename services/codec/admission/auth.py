@@ -40,12 +40,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.codec.admission.tenancy import CALL_TENANT, Tenant, cache_salt, open_tenant
+from services.codec.admission.tenancy import CALL_TENANT
 from services.codec.errors import AuthenticationError, describe, error_response
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.middleware import header
 from services.common.config import AuthConfig
 from services.common.errors import ConfigError
+from services.common.tenants import Tenant, cache_salt, open_tenant
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Refusals of admission control (quotas and the fair queue) and the step timeout, with their wire errors.
+"""Refusals of admission control (quotas and the fair queue), with their wire errors.
 
     KvrelayError
     ├── AdmissionRefusedError           refused before the backend saw the request; Retry-After
@@ -6,8 +6,9 @@
     │   ├── OverloadedError             503 (529 overloaded_error on Anthropic's routes): queue full,
     │   │                               pushed out of it by a fairer share, or waited past the deadline
     │   └── QuotaUnavailableError       503: the quota store (Redis) is down and quotas.fail_open is off
-    └── BackendFailedError
+    └── BackendFailedError              (backend/protocol.py)
         └── StepTimeoutError            no token for limits.step_timeout_ms: the request is aborted
+                                        (raised by generation.py, defined beside BackendFailedError)
 
 Each refusal carries its wire error (`wire_error`, services/codec/errors.py's `WireMapped`), which the
 codec's one mapping, `errors.describe`, returns as it is: the registered error handler answers a refusal
@@ -20,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from services.codec.backend.protocol import BackendFailedError
 from services.codec.errors import RETRY_AFTER_S, SERVER_ERROR, WireError
 from services.common.errors import KvrelayError
 
@@ -87,11 +87,3 @@ class OverloadedError(AdmissionRefusedError):
 
 class QuotaUnavailableError(AdmissionRefusedError):
     """The shared quota store cannot be reached and the configuration says to fail closed."""
-
-
-class StepTimeoutError(BackendFailedError):
-    """The next token took longer than `limits.step_timeout_ms`; the request is aborted."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"no token for {timeout_s * 1000:.0f} ms (limits.step_timeout_ms); aborted")
-        self.timeout_s = timeout_s

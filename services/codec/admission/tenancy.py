@@ -6,40 +6,16 @@ the fair queue, the cache salt, the audit log) reads it through `tenant_of`. On 
 auth interceptor hands it over in `CALL_TENANT`, which the servicer moves onto the call's stats at once.
 In open mode (no keys file) every request is the tenant "default".
 
-The cache salt is derived from the tenant, never taken from the request, so one tenant can never hit
-(or time) another's cached prefixes. Tenants in one `auth.shared_cache_groups` entry share a salt.
+The `Tenant` and its cache salt are defined in services/common/tenants.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-DEFAULT_TENANT = "default"
-SALT_DOMAIN = b"kvrelay-tenant-salt/v1\x00"
-
-
-@dataclass(frozen=True)
-class Tenant:
-    tenant_id: str
-    key_id: str | None  # the API key's public ID; None in open mode
-    cache_salt: bytes
-    is_admin: bool = False  # may read /status; in open mode (loopback, or auth.allow_open) everyone may
-
-
-def cache_salt(tenant_id: str, shared_groups: Sequence[Sequence[str]] = ()) -> bytes:
-    """16 bytes that name the tenant's prefix-cache namespace (its group's, when it shares one)."""
-    group = next((sorted(g) for g in shared_groups if tenant_id in g), [tenant_id])
-    return hashlib.sha256(SALT_DOMAIN + "\x00".join(group).encode()).digest()[:16]
-
-
-def open_tenant(shared_groups: Sequence[Sequence[str]] = ()) -> Tenant:
-    return Tenant(DEFAULT_TENANT, None, cache_salt(DEFAULT_TENANT, shared_groups))
-
+from services.common.tenants import Tenant, open_tenant
 
 # The public gRPC API's hand-off from its auth interceptor to the servicer of the same call (each call
 # runs in its own task and context).

@@ -23,6 +23,14 @@ class BackendFailedError(KvrelayError):
     """The stack failed after the request was accepted (a mid-stream error event at the edge)."""
 
 
+class StepTimeoutError(BackendFailedError):
+    """The next token took longer than `limits.step_timeout_ms`; the request is aborted."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"no token for {timeout_s * 1000:.0f} ms (limits.step_timeout_ms); aborted")
+        self.timeout_s = timeout_s
+
+
 class BackendRejectedError(KvrelayError):
     """A worker refused the request as invalid (INVALID_ARGUMENT); the codec should have caught it."""
 

@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.codec.admission.auth import AUTHORIZATION, X_API_KEY, Authenticator
-from services.codec.admission.tenancy import CALL_TENANT, Tenant
+from services.codec.admission.tenancy import CALL_TENANT
 from services.codec.backend.readiness import Readiness
 from services.codec.errors import AuthenticationError
 from services.codec.grpc_public.service import SERVICE_NAME, InferenceServicer
@@ -40,6 +40,7 @@ from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.middleware import log_access, new_request_ids
 from services.codec.state import CodecState
 from services.common.grpc_auth import OPEN_METHOD_PREFIXES, REQUEST_ID_KEY
+from services.common.tenants import Tenant
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ from opentelemetry.trace import SpanKind
 from services.codec.admission.auth import rpc_tenant
 from services.codec.admission.errors import AdmissionRefusedError, OverloadedError, RateLimitedError
 from services.codec.admission.gate import SamplingSource
-from services.codec.admission.tenancy import open_tenant
 from services.codec.errors import describe, is_expected
 from services.codec.generation import SampleFinished, TextDelta, Usage
 from services.codec.grpc_public.requests import chat_request, completion_request
@@ -52,6 +51,7 @@ from services.codec.text.prompts import encode_prompt
 from services.common import tracing
 from services.common.grpc_auth import REQUEST_ID_KEY
 from services.common.outputs import FinishReason, TokenLogprob
+from services.common.tenants import open_tenant
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 

@@ -31,19 +31,16 @@ import torch
 import torch.nn.functional as F
 
 from services.common.errors import CorruptModelError, ModelLoadError
-from services.engine.attention import (
-    AttentionMetadata,
-    DecodeAttention,
-    kernel_decode_attention,
-)
-from services.engine.attention_backend import PagedAttention, TorchAttention
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention import DecodeAttention, kernel_decode_attention
+from services.engine.layers.attention_backend import PagedAttention, TorchAttention
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.layers.rope import attention_factor, cos_sin_at, inverse_frequencies, rotate
+from services.engine.model_config import ModelConfig
 from services.engine.models.llama import check_all_weights_used
 from services.engine.ops import arena
 from services.engine.ops.build import load_cpu_kernels
 from services.engine.ops.cpu import CpuKernels
 from services.engine.ops.packed_linear import Linear, make_linear
-from services.engine.rope import attention_factor, cos_sin_at, inverse_frequencies, rotate
 
 # Logits of at most this many rows go through the C kernel's matmul, which reads the stored (bf16 or
 # fp32) lm_head directly: the 262k-row lm_head is the biggest read of a Gemma decode step.

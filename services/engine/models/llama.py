@@ -16,21 +16,20 @@ in `dtype`. Two paths run the same math:
   weights and fp32 compute they multiply an fp32 copy of the same bf16 values, so both paths use one set
   of weights and differ only in fp32 rounding order.
 
-Weights may also come as GGUF blocks (`QuantizedWeight`, Q8_0 or Q4_1: services/engine/gguf_weights.py),
-kept as stored (each row's bytes regrouped at load, quant.split): the C kernels multiply by them directly,
-the torch path unpacks one matrix at a time into a reused fp32 buffer (`_BlockLinear`; bf16 with int8
-activations on a CPU with bf16 in hardware, for oneDNN's bf16 GEMM), and embeddings are unpacked per
-looked-up row. That needs the C kernels and fp32 compute. With `unpacked_dtype` (model.weights
-gguf-hybrid) every block matrix is also unpacked once, at load, into that dtype (prepacked for oneDNN when
-bf16), and the torch path multiplies by that copy (`_UnpackedLinear`): no per-step unpacking, at the cost
-of a second copy of the weights in memory. Either way a token's rounding depends on the size of the step
-it is computed in (int8 activations and blocks below the threshold, a GEMM above it).
+Weights may also come as GGUF blocks (`QuantizedWeight`, Q8_0 or Q4_1: loading/gguf_weights.py), kept as
+stored (each row's bytes regrouped at load, quant.split): the C kernels multiply by them directly
+(ops/fused_layers.py holds the layers as they read them), the torch path unpacks one matrix at a time into a
+reused fp32 buffer (ops/block_linear.py `BlockLinear`; bf16 with int8 activations on a CPU with bf16 in
+hardware, for oneDNN's bf16 GEMM), and embeddings are unpacked per looked-up row. That needs the C kernels and
+fp32 compute. With `unpacked_dtype` (model.weights gguf-hybrid) every block matrix is also unpacked once, at
+load, into that dtype (prepacked for oneDNN when bf16), and the torch path multiplies by that copy
+(`UnpackedLinear`): no per-step unpacking, at the cost of a second copy of the weights in memory. Either way a
+token's rounding depends on the size of the step it is computed in (int8 activations and blocks below the
+threshold, a GEMM above it).
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -38,28 +37,28 @@ import torch
 import torch.nn.functional as F
 
 from services.common.errors import CorruptModelError, ModelLoadError
-from services.engine.attention import (
-    AttentionMetadata,
-    DecodeAttention,
-    kernel_decode_attention,
-)
-from services.engine.attention_backend import PagedAttention, TorchAttention
-from services.engine.models.config import ModelConfig
-from services.engine.ops import arena
+from services.engine.layers.attention import DecodeAttention, kernel_decode_attention
+from services.engine.layers.attention_backend import PagedAttention, TorchAttention
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.layers.rope import RotaryEmbedding
+from services.engine.model_config import ModelConfig
+from services.engine.ops.block_linear import BlockLinears, cat_weight_rows, to_dtype, weight_data
 from services.engine.ops.build import load_cpu_kernels
-from services.engine.ops.cpu import CpuKernels, LlamaDims, LlamaLayerPointers, kv_f16
-from services.engine.ops.cpu_features import cpu_flags, has_native_bf16_matmul
+from services.engine.ops.cpu import CpuKernels, LlamaDims, kv_f16
+from services.engine.ops.fused_layers import (
+    FusedLayerPointers,
+    LlamaLayer,
+    one_format,
+    pack_streamed_weights,
+    projections,
+)
 from services.engine.ops.packed_linear import Linear, make_linear
 from services.engine.ops.quant import (
     INT8_ACTIVATIONS,
     QuantizedWeight,
     Weight,
     WeightFormat,
-    can_split,
-    cat_rows,
-    split,
 )
-from services.engine.rope import RotaryEmbedding
 
 # Steps up to this many tokens take the C kernels: on an AVX2 Zen 3 they beat MKL's fp32 GEMM up to
 # M = 64 to 96 tokens (docs/performance.md), so decode batches up to 64 stay on them.
@@ -71,96 +70,6 @@ STEP_PATHS = ("kernels", "gemm")
 # the context per query, where SDPA works in tiles (a 64-token chunk at position 4000: 40 ms a layer
 # against 12 ms). Decode rows always stay on the kernel: it beats a padded gather plus SDPA 5 to 6 times.
 SMALL_STEP_MAX_PREFILL_KEY_READS = 16384
-
-
-@dataclass
-class _KernelPointers:
-    """The C view of the layers for one set of KV caches, and the tensors it points into."""
-
-    caches: list[torch.Tensor]
-    layers: ctypes.Array[LlamaLayerPointers]
-    keep_alive: list[torch.Tensor]
-
-
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-@dataclass
-class LlamaLayer:
-    input_norm: torch.Tensor  # [hidden]
-    qkv_proj: Weight  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o_proj: Weight  # [hidden, num_heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up_proj: Weight  # [2 * intermediate, hidden]
-    down_proj: Weight  # [hidden, intermediate]
-    qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]: Qwen3's q/k RMSNorm
-
-    def to(self, dtype: torch.dtype) -> LlamaLayer:
-        """The same layer with every tensor in `dtype` (no copy where it already is); GGUF blocks stay."""
-        return LlamaLayer(
-            input_norm=self.input_norm.to(dtype),
-            qkv_proj=_to(self.qkv_proj, dtype),
-            qkv_bias=None if self.qkv_bias is None else self.qkv_bias.to(dtype),
-            o_proj=_to(self.o_proj, dtype),
-            post_norm=self.post_norm.to(dtype),
-            gate_up_proj=_to(self.gate_up_proj, dtype),
-            down_proj=_to(self.down_proj, dtype),
-            qk_norm=None if self.qk_norm is None else self.qk_norm.to(dtype),
-        )
-
-
-def _to(weight: Weight, dtype: torch.dtype) -> Weight:
-    return weight if isinstance(weight, QuantizedWeight) else weight.to(dtype)
-
-
-def format_of(weight: Weight) -> WeightFormat | None:
-    """The kernels' name for how `weight` is stored; None for a dtype they cannot read."""
-    if isinstance(weight, QuantizedWeight):
-        return weight.format
-    return {torch.float32: WeightFormat.F32, torch.bfloat16: WeightFormat.BF16}.get(weight.dtype)
-
-
-def _data(weight: Weight) -> torch.Tensor:
-    return weight.data if isinstance(weight, QuantizedWeight) else weight
-
-
-class _BlockLinear:
-    """y = x @ w.T (+ bias) for GGUF blocks on the torch path: the matrix unpacked into a buffer shared by
-    every matrix of the model (one unpacks at a time), then MKL's fp32 GEMM, or, for a bf16 buffer,
-    oneDNN's bf16 GEMM over x rounded to bf16 (fp32 sums and output)."""
-
-    def __init__(
-        self, kernels: CpuKernels, weight: QuantizedWeight, bias: torch.Tensor | None, buffer: torch.Tensor
-    ) -> None:
-        self.kernels, self.weight, self.bias, self.buffer = kernels, weight, bias, buffer
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        num_out, k = self.weight.shape
-        unpacked = self.buffer[: num_out * k].view(num_out, k)  # [N, K] fp32 or bf16
-        w = self.kernels.dequantize(self.weight, unpacked)
-        if w.dtype == x.dtype:
-            return F.linear(x, w, self.bias)
-        y = F.linear(x.to(w.dtype), w).to(x.dtype)  # [M, N]
-        return y if self.bias is None else y + self.bias
-
-
-class _UnpackedLinear:
-    """y = x @ w.T (+ bias) for GGUF blocks unpacked once at load into `dtype` (gguf-hybrid's large steps):
-    oneDNN's GEMM over the prepacked copy, x rounded to `dtype` on the way in, fp32 sums and output; the
-    same bits as `_BlockLinear` with a buffer of that dtype."""
-
-    def __init__(
-        self, kernels: CpuKernels, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
-    ) -> None:
-        unpacked = kernels.dequantize(weight, dtype=dtype)  # [N, K]
-        self.nbytes = unpacked.numel() * unpacked.element_size()
-        self.dtype, self.bias = dtype, bias
-        self.linear = make_linear(unpacked)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x.to(self.dtype)).to(x.dtype)  # [M, N]; no copies where x is in dtype already
-        return y if self.bias is None else y + self.bias
 
 
 @dataclass(frozen=True)
@@ -209,7 +118,6 @@ class LlamaModel:
         self.config = config
         self.int8_activations = int8_activations
         self.unpacked_dtype = unpacked_dtype
-        self.unpacked_bytes = 0  # bytes of the load-time unpacked copies (unpacked_dtype)
         self.num_steps_by_path = {path: 0 for path in STEP_PATHS}  # steps each path ran, counted in forward
         self.paged: PagedAttention = paged or TorchAttention()
         self.dtype = dtype
@@ -236,14 +144,14 @@ class LlamaModel:
         layers = [self._load_layer(take, take_tensor, i) for i in range(config.num_layers)]
         lm_head = embed if is_tied else take("lm_head.weight")  # [vocab, hidden]
         check_all_weights_used(type(self).__name__, weights, used | {"lm_head.weight"})
-        self.stored_layers, self.lm_head_stored = _pack_streamed_weights(layers, lm_head)
-        self.weight_format = _one_format(self.stored_layers)
+        self.stored_layers, self.lm_head_stored = pack_streamed_weights(layers, lm_head)
+        self.weight_format = one_format(self.stored_layers)
         self.embed_tokens = self.lm_head_stored if is_tied else embed  # [vocab, hidden]
         self.device = self.norm.device
         on_cpu = self.device.type == "cpu"  # the C kernels read host memory; a GPU takes the torch path
         kernels = load_cpu_kernels() if use_cpu_kernels and on_cpu and self._attention_kernel_fits() else None
         self._check_blocks_can_run(kernels)
-        self.lm_head = _to(self.lm_head_stored, dtype)  # [vocab, hidden]
+        self.lm_head = to_dtype(self.lm_head_stored, dtype)  # [vocab, hidden]
         self.layers = [layer.to(dtype) for layer in self.stored_layers]
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -254,20 +162,27 @@ class LlamaModel:
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        blocks = self._block_linears(kernels)
+        matrices = [w for layer in self.stored_layers for w in projections(layer)] + [self.lm_head_stored]
+        blocks = (
+            BlockLinears(kernels, matrices, unpacked_dtype=unpacked_dtype, int8_activations=int8_activations)
+            if kernels is not None
+            else _no_blocks
+        )
         self.linears = [_LayerLinears.of(layer, blocks) for layer in self.layers]
         self.lm_head_linear = (
             blocks(self.lm_head, None)
             if isinstance(self.lm_head, QuantizedWeight)
             else make_linear(self.lm_head)
         )
+        # bytes of the load-time unpacked copies (unpacked_dtype)
+        self.unpacked_bytes = blocks.unpacked_bytes if isinstance(blocks, BlockLinears) else 0
         self.kernels = kernels if self._kernels_fit() else None  # every layer in one call (fp32 only)
         # Decode rows read the cache in place through the C kernel, which reads fp32 or fp16 KV: under
         # bf16 compute the cache is kept in fp32 (bf16 K/V are stored exactly; twice the bytes), unless
         # engine.kv_cache_dtype says otherwise (loader.resolve_kv_dtype).
         self.attention_kernels = kernels
         self.kv_dtype = torch.float32 if kernels is not None else dtype
-        self._pointers: _KernelPointers | None = None
+        self.fused_pointers = FusedLayerPointers(self.stored_layers)
 
     def _load_layer(
         self, take: Callable[[str], Weight], take_tensor: Callable[[str], torch.Tensor], i: int
@@ -279,11 +194,11 @@ class LlamaModel:
             bias = torch.cat([take_tensor(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
         return LlamaLayer(
             input_norm=take_tensor(p + "input_layernorm.weight"),
-            qkv_proj=_cat_rows(qkv),
+            qkv_proj=cat_weight_rows(qkv),
             qkv_bias=bias,
             o_proj=take(p + "self_attn.o_proj.weight"),
             post_norm=take_tensor(p + "post_attention_layernorm.weight"),
-            gate_up_proj=_cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            gate_up_proj=cat_weight_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
             down_proj=take(p + "mlp.down_proj.weight"),
         )
 
@@ -305,34 +220,6 @@ class LlamaModel:
                 "engine.device cpu, attention auto) and model.dtype float32 or auto"
             )
 
-    def _block_linears(
-        self, kernels: CpuKernels | None
-    ) -> Callable[[QuantizedWeight, torch.Tensor | None], Linear]:
-        """Makes the torch path's matmuls over GGUF blocks, sharing one unpacking buffer."""
-        if self.unpacked_dtype is not None:
-            dtype = self.unpacked_dtype
-
-            def unpacked_once(weight: QuantizedWeight, bias: torch.Tensor | None) -> Linear:
-                assert kernels is not None  # _check_blocks_can_run
-                linear = _UnpackedLinear(kernels, weight, bias, dtype)
-                self.unpacked_bytes += linear.nbytes
-                return linear
-
-            return unpacked_once
-        matrices = [w for layer in self.stored_layers for w in _projections(layer)] + [self.lm_head_stored]
-        sizes = [w.shape[0] * w.shape[1] for w in matrices if isinstance(w, QuantizedWeight)]
-        # int8 activations already trade exactness for speed; where bf16 math runs in hardware the large
-        # steps then take bf16 GEMMs too (docs/performance.md, "GGUF blocks").
-        bf16 = self.int8_activations and has_native_bf16_matmul(cpu_flags())
-        unpacked = torch.bfloat16 if bf16 else torch.float32
-        buffer = torch.empty(max(sizes, default=0), dtype=unpacked)  # [largest N * K]
-
-        def blocks(weight: QuantizedWeight, bias: torch.Tensor | None) -> Linear:
-            assert kernels is not None  # _check_blocks_can_run
-            return _BlockLinear(kernels, weight, bias, buffer)
-
-        return blocks
-
     def _kernels_fit(self) -> bool:
         """kr_llama_layers does Llama's math only: no q/k norms, no sliding windows."""
         cfg = self.config
@@ -351,7 +238,7 @@ class LlamaModel:
         weights = [self.embed_tokens, self.lm_head_stored, self.lm_head, self.norm]
         for layer in (*self.stored_layers, *self.layers):
             weights += [w for w in vars(layer).values() if w is not None]
-        tensors = [_data(w) for w in weights]
+        tensors = [weight_data(w) for w in weights]
         unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
         return sum(unique.values()) + self.unpacked_bytes
 
@@ -456,7 +343,7 @@ class LlamaModel:
         h = self._embed(token_ids).float()  # [num_tokens, hidden]
         kernels.llama_layers(
             self._dims(meta.block_size, kv_caches[0].dtype),
-            self._layer_pointers(kv_caches),
+            self.fused_pointers.for_caches(kv_caches),
             h,
             meta.positions,
             meta.slot_mapping,
@@ -474,73 +361,6 @@ class LlamaModel:
             self.rope.cos.data_ptr(), self.rope.sin.data_ptr(),
         )  # fmt: skip
 
-    def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array[LlamaLayerPointers]:
-        """Pointers into the stored weights (norms in fp32) and these caches, rebuilt when caches change."""
-        known = self._pointers
-        if known is not None and _same_tensors(known.caches, kv_caches):
-            return known.layers
-        for cache in kv_caches:
-            if cache.dtype != kv_caches[0].dtype or not cache.is_contiguous():
-                raise ValueError("the kernel path needs contiguous KV caches of one dtype")
-        array = (LlamaLayerPointers * len(kv_caches))()
-        keep_alive: list[torch.Tensor] = []
-        for i, (s, cache) in enumerate(zip(self.stored_layers, kv_caches, strict=True)):
-            norms = (s.input_norm.float(), s.post_norm.float())  # [hidden] each
-            bias = None if s.qkv_bias is None else s.qkv_bias.float()  # [qkv_size]
-            keep_alive += [*norms, *([] if bias is None else [bias])]
-            qkv, o, gate_up, down = (_data(w).data_ptr() for w in _projections(s))
-            array[i] = LlamaLayerPointers(
-                qkv, o, gate_up, down,
-                None if bias is None else bias.data_ptr(), norms[0].data_ptr(), norms[1].data_ptr(),
-                cache.data_ptr(),
-            )  # fmt: skip
-        self._pointers = _KernelPointers(list(kv_caches), array, keep_alive)
-        return array
-
-
-def _pack_streamed_weights(layers: list[LlamaLayer], lm_head: Weight) -> tuple[list[LlamaLayer], Weight]:
-    """The matrices every decode step reads, moved into one huge-page buffer (ops/arena.py). GGUF blocks
-    and tensors of one dtype pack together; a model that mixes them packs only its tensors. Block rows are
-    regrouped for the kernels (quant.split) when every block matrix can be, so that the layers keep one
-    format."""
-    matrices = [w for layer in layers for w in _projections(layer)] + [lm_head]
-    quantized = [w for w in matrices if isinstance(w, QuantizedWeight)]
-    if all(can_split(w) for w in quantized):
-        matrices = [split(w) if isinstance(w, QuantizedWeight) else w for w in matrices]
-    data = [_data(w) for w in matrices]
-    packed = matrices
-    if len({t.dtype for t in data}) == 1:
-        packed = [_like(w, t) for w, t in zip(matrices, arena.pack(data), strict=True)]
-    out = [
-        dataclasses.replace(layer, **dict(zip(PROJECTIONS, packed[4 * i : 4 * i + 4], strict=True)))  # type: ignore[arg-type]
-        for i, layer in enumerate(layers)
-    ]
-    return out, packed[-1]
-
-
-def _like(weight: Weight, data: torch.Tensor) -> Weight:
-    """`weight` over new storage `data`."""
-    return QuantizedWeight(data, weight.format, weight.shape) if isinstance(weight, QuantizedWeight) else data
-
-
-def _projections(layer: LlamaLayer) -> list[Weight]:
-    return [getattr(layer, name) for name in PROJECTIONS]
-
-
-def _cat_rows(weights: list[Weight]) -> Weight:
-    """Row-wise concatenation (q, k, v into one projection): of tensors, or of GGUF blocks of one format."""
-    if all(isinstance(w, QuantizedWeight) for w in weights):
-        return cat_rows([w for w in weights if isinstance(w, QuantizedWeight)])
-    if any(isinstance(w, QuantizedWeight) for w in weights):
-        raise ModelLoadError("a fused projection mixes GGUF blocks and float tensors")
-    return torch.cat([w for w in weights if isinstance(w, torch.Tensor)]).contiguous()
-
-
-def _one_format(layers: list[LlamaLayer]) -> WeightFormat | None:
-    """The one format of every projection; None when they differ (the C kernels take one per model)."""
-    formats = {format_of(w) for layer in layers for w in _projections(layer)}
-    return formats.pop() if len(formats) == 1 else None
-
 
 def check_all_weights_used(family: str, weights: Mapping[str, torch.Tensor], used: set[str]) -> None:
     """Refuse weights the family would silently ignore (an o_proj bias, an unknown norm): wrong math."""
@@ -550,5 +370,5 @@ def check_all_weights_used(family: str, weights: Mapping[str, torch.Tensor], use
         raise ModelLoadError(f"{family} does not use these weights: {shown}")
 
 
-def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+def _no_blocks(weight: QuantizedWeight, bias: torch.Tensor | None) -> Linear:
+    raise AssertionError("GGUF blocks without the C kernels (_check_blocks_can_run refuses them)")

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.models.config import ModelConfig
-from services.engine.models.llama import LlamaLayer, LlamaModel
+from services.engine.model_config import ModelConfig
+from services.engine.models.llama import LlamaModel
+from services.engine.ops.fused_layers import LlamaLayer
 from services.engine.ops.quant import Weight
 
 

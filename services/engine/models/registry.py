@@ -8,9 +8,9 @@ from typing import Protocol
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.attention import AttentionMetadata
-from services.engine.attention_backend import PagedAttention, choose_attention
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention_backend import PagedAttention, choose_attention
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.model_config import ModelConfig
 from services.engine.models.gemma3 import Gemma3Model
 from services.engine.models.llama import LlamaModel
 from services.engine.models.qwen import Qwen2Model, Qwen3Model

@@ -45,7 +45,7 @@
 
 {{/* A gRPC health probe's handler: Kubernetes' native grpc probe, which speaks plaintext; with internal TLS
      the same grpc.health.v1 Check run in the container, presenting the pod's certificate (the image's
-     Python and services.cli.probes). Call with (dict "root" $ "port" PORT "service" HEALTH_SERVICE). */}}
+     Python and services.common.probes). Call with (dict "root" $ "port" PORT "service" HEALTH_SERVICE). */}}
 {{- define "kvrelay.grpcProbe" -}}
 {{- if .root.Values.internalTls.enabled }}
 exec:
@@ -53,7 +53,7 @@ exec:
     - python
     - -c
     - >-
-      import sys; from services.cli.probes import GrpcHealthCheck; from services.common.config import load_config;
+      import sys; from services.common.probes import GrpcHealthCheck; from services.common.config import load_config;
       check = GrpcHealthCheck(sys.argv[1], timeout_s=2.0, service=sys.argv[2], tls=load_config().internal_tls);
       sys.exit(0 if check.is_healthy() else 1)
     - {{ printf "127.0.0.1:%v" .port | quote }}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.models.config import ModelConfig
+from services.engine.model_config import ModelConfig
 
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from services.engine.attention import AttentionMetadata, DecodeAttention
 from services.engine.ops.triton import kernels
 from services.engine.ops.triton.dispatch import (
     NUM_SEGMENTS,
@@ -26,6 +26,10 @@ from services.engine.ops.triton.dispatch import (
     KernelSpec,
     group_pad,
 )
+
+if TYPE_CHECKING:  # the backend's interface, in layers/: annotations only
+    from services.engine.layers.attention import DecodeAttention
+    from services.engine.layers.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

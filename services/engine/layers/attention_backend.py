@@ -25,8 +25,9 @@ from typing import Protocol
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.attention import AttentionMetadata, DecodeAttention, paged_attention, write_kv
-from services.engine.models.config import ModelConfig
+from services.engine.layers.attention import DecodeAttention, paged_attention, write_kv
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.model_config import ModelConfig
 from services.engine.ops.triton.dispatch import KernelSpec, layer_keys, model_specs
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,8 @@ def choose_attention(
 def checked_or_torch(backend: PagedAttention, config: ModelConfig, device: torch.device) -> PagedAttention:
     """The Triton backend if its kernels agree with the reference on this device, else torch-native
     (logged with the reason): `auto` is never worse than torch-native."""
+    from services.engine.layers.triton_self_check import self_check
     from services.engine.ops.triton.launch import TritonAttention
-    from services.engine.ops.triton.self_check import self_check
 
     assert isinstance(backend, TritonAttention)
     windows = [None, *sorted({w for w in config.layer_windows if w is not None})[:1]]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from services.common.errors import CorruptModelError, ModelLoadError
-from services.engine.models.config import ModelConfig
+from services.engine.model_config import ModelConfig
 from services.engine.ops.quant import GGML_TYPES, QuantizedWeight, Weight
 
 # ggml type IDs this path holds: F32 (0) and F16 (1) as fp32 tensors, Q8_0 (8) and Q4_1 (3) as blocks.

@@ -1,6 +1,6 @@
 """The batched sampler: one call picks the next token of every running sequence.
 
-Pipeline, per row (sampler_reference.py implements the same steps one row at a time):
+Pipeline, per row (ops/reference.py's sampler twin implements the same steps one row at a time):
 
 1. Penalties. The repetition penalty divides the logit of every token seen in the prompt or the output
    by the penalty when positive and multiplies it otherwise; then each output token's logit is lowered
@@ -39,15 +39,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.engine.counter_rng import counter_exponentials
-from services.engine.sampling_batch import (
+from services.engine.layers.sampling_batch import (
     AllowedTokens,
     PenaltyTensors,
     SamplingBatch,
     SamplingRow,
     SeedTensors,
-    derive_seed,
 )
+from services.engine.ops.counter_rng import counter_exponentials, derive_seed
 
 # top_p looks for its cut among this many most likely tokens first; a full sort is the fallback.
 _NUM_TOP_P_CANDIDATES = 256

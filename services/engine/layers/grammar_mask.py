@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from services.engine.attention import to_device
-from services.engine.request import Request
-from services.engine.sampling_batch import AllowedTokens
+from services.engine.layers.attention_metadata import to_device
+from services.engine.layers.sampling_batch import AllowedTokens
+from services.engine.scheduling.request import Request
 
 
 class GrammarMask:

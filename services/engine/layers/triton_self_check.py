@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention import RowSpec, build_metadata, reference_attention
+from services.engine.layers.attention_metadata import RowSpec, build_metadata
+from services.engine.ops.reference import reference_attention
 from services.engine.ops.triton.dispatch import SPLIT_MIN_BLOCKS
 from services.engine.ops.triton.launch import TritonAttention
 

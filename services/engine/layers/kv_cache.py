@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import CapacityError
-from services.engine.models.config import ModelConfig
+from services.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,7 @@ import torch
 from torch import Tensor
 
 from services.common.sampling import SamplingParams
-from services.engine.attention import to_device
-from services.engine.counter_rng import splitmix64
-
-
-def derive_seed(seed: int, position: int) -> int:
-    """The 63-bit counter key for output `position` of a request seeded with `seed`. Fixed forever."""
-    return splitmix64(splitmix64(seed) ^ position) >> 1
+from services.engine.layers.attention_metadata import to_device
 
 
 @dataclass

@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.outputs import FinishReason, TokenLogprob
-from services.engine.block_pool import NO_BLOCK
-from services.engine.kv_manager import KVCacheManager
-from services.engine.request import Request, RequestStatus, SeqId
+from services.engine.scheduling.block_pool import NO_BLOCK
+from services.engine.scheduling.kv_manager import KVCacheManager
+from services.engine.scheduling.request import Request, RequestStatus, SeqId
 
 
 @dataclass(frozen=True)

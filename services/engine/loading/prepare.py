@@ -287,7 +287,7 @@ def _convert_gguf(gguf_path: Path, staging: Path) -> None:
 
 
 def _keeps_quantized(gguf_path: Path) -> bool:
-    from services.engine.gguf_weights import keeps_quantized  # torch: imported only when preparing
+    from services.engine.loading.gguf_weights import keeps_quantized  # torch: imported only when preparing
 
     return keeps_quantized(gguf_path)
 

@@ -1,5 +1,7 @@
-"""Health probes the supervisor runs against its children. Each answers a plain bool and never raises:
-a service that cannot be reached is simply not healthy. Both bypass any HTTP proxy in the environment."""
+"""Health probes: the ones the supervisor (services/common/supervisor.py) runs against the children of
+`kvrelay up` and of the benchmarks' stacks, and the images' `kvrelay-healthcheck`. Each answers a plain
+bool and never raises: a service that cannot be reached is simply not healthy. Both bypass any HTTP proxy
+in the environment. Torch-free."""
 
 from __future__ import annotations
 

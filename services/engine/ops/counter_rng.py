@@ -25,8 +25,6 @@ usually, not provably, equal.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -34,7 +32,7 @@ MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment, 2^64 / golden ratio
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-_NUM_UNIFORM_BITS = 52
+NUM_UNIFORM_BITS = 52
 _ONE_BITS = 0x3FF0000000000000  # the float64 1.0: sign 0, exponent 1023, mantissa 0
 
 
@@ -52,19 +50,9 @@ def splitmix64(value: int) -> int:
     return z ^ (z >> 31)
 
 
-def reference_bits(key: int, token_id: int) -> int:
-    """The 64 random bits (unsigned) for `token_id` under `key`, in plain Python ints."""
-    return splitmix64((key + token_id * GAMMA) & MASK64)
-
-
-def reference_uniform(key: int, token_id: int) -> float:
-    """The uniform in (0, 1) for `token_id` under `key`; exact in float64."""
-    return ((reference_bits(key, token_id) >> 12) + 0.5) / (1 << _NUM_UNIFORM_BITS)
-
-
-def reference_exponential(key: int, token_id: int) -> float:
-    """The Exp(1) draw for `token_id` under `key`, as a Python float (float32 comes from the caller)."""
-    return -math.log(reference_uniform(key, token_id))
+def derive_seed(seed: int, position: int) -> int:
+    """The 63-bit counter key for output `position` of a request seeded with `seed`. Fixed forever."""
+    return splitmix64(splitmix64(seed) ^ position) >> 1
 
 
 def splitmix64_(values: Tensor) -> Tensor:
@@ -106,8 +94,8 @@ def uniforms_from_bits_(bits: Tensor) -> Tensor:
     The 52 bits become the mantissa of a float64 in [1, 2), 1 + k / 2^52; subtracting 1 - 2^-53 is
     exact (Sterbenz), so no rounding happens on any device. Returns a float64 view of `bits`.
     """
-    bits.bitwise_right_shift_(64 - _NUM_UNIFORM_BITS)
-    bits.bitwise_and_((1 << _NUM_UNIFORM_BITS) - 1)
+    bits.bitwise_right_shift_(64 - NUM_UNIFORM_BITS)
+    bits.bitwise_and_((1 << NUM_UNIFORM_BITS) - 1)
     bits.bitwise_or_(_ONE_BITS)
     return bits.view(torch.float64).sub_(1.0 - 2.0**-53)
 

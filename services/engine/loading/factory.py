@@ -3,7 +3,7 @@ runner over the loaded model with its KV cache tensors, on the device `engine.de
 
 On a CPU the KV cache takes `engine.kv_cache_memory_mb`. On a GPU it takes what is left of the engine's
 share of the device (`engine.gpu_memory_utilization`) after the weights and one warm-up forward of a full
-step's tokens (services/engine/device.py has the rule and its refusals).
+step's tokens (services/engine/loading/device.py has the rule and its refusals).
 
 `assemble_core` takes the runner as a function of the planned KV cache, so tests build the same core
 over a fake runner without a model directory. A core built from a directory gets grammar matchers over
@@ -23,12 +23,19 @@ from services.common.config import EngineConfig, KvrelayConfig
 from services.common.errors import ConfigError
 from services.common.manifest import Manifest
 from services.common.sampling import MAX_LOGPROBS, SamplingParams
-from services.engine.attention import RowSpec, build_metadata, to_device
-from services.engine.attention_backend import PagedAttention, TorchAttention
-from services.engine.block_pool import BlockPool
 from services.engine.core import EngineCore, ServedWeights
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
-from services.engine.device import (
+from services.engine.layers.attention_backend import PagedAttention, TorchAttention
+from services.engine.layers.attention_metadata import RowSpec, build_metadata, to_device
+from services.engine.layers.grammar_matchers import GrammarMatchers
+from services.engine.layers.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_host_memory,
+    plan_num_blocks,
+)
+from services.engine.layers.sampler import SamplingBatch, SamplingRow, sample_on_device
+from services.engine.loading.device import (
     CudaMemoryProbe,
     MemoryReading,
     check_weights_fit,
@@ -39,16 +46,14 @@ from services.engine.device import (
     read_memory,
     resolve_device,
 )
-from services.engine.grammar_matchers import GrammarMatchers
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_caches, check_host_memory, plan_num_blocks
-from services.engine.kv_manager import KVCacheManager, PrefixCacheStats
-from services.engine.loader import KV_CACHE_DTYPES, LoadedModel, load_model, stored_weight_bytes
-from services.engine.models.config import ModelConfig
+from services.engine.loading.loader import KV_CACHE_DTYPES, LoadedModel, load_model, stored_weight_bytes
+from services.engine.model_config import ModelConfig
 from services.engine.models.registry import CausalLM
 from services.engine.runner import ModelRunner
 from services.engine.runner_protocol import Runner
-from services.engine.sampler import SamplingBatch, SamplingRow, sample_on_device
-from services.engine.scheduler import Scheduler
+from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.kv_manager import KVCacheManager, PrefixCacheStats
+from services.engine.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Process supervision for `kvrelay up`: one child process per service, each in its own process group.
+"""Process supervision for `kvrelay up` (services/cli/up.py) and the stacks the benchmarks start
+(services/bench/spawn.py): one child process per service, each in its own process group. Torch-free.
 
 Start waits for health in dependency order (workers, then the router, then the codec). A child that
 exits is restarted after an exponential backoff, except one that exits with CONFIG_EXIT_CODE (78): a bad
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from services.cli.probes import HealthCheck
 from services.common.errors import CONFIG_EXIT_CODE, KvrelayError
+from services.common.probes import HealthCheck
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ The torch path computes the same products as roll(x) * sin_signed, where roll(x)
 sin_signed = cat(-sin1, sin2): (-a) * b and a * (-b) are the same float, so the result is bitwise that
 of the formula above, with two fewer ops. The C kernel (ops/kernels.c) reads the plain `cos`/`sin` tables.
 
-RoPE scaling (models/rope_config.py) changes only the inverse frequencies and, for YaRN, multiplies cos
+RoPE scaling (model_config.py) changes only the inverse frequencies and, for YaRN, multiplies cos
 and sin by an attention factor; both are folded into the tables, so every path that reads them (the torch
 path, the C kernel) rotates with the scaled RoPE. The math is transformers' (modeling_rope_utils.py),
 rounding step for rounding step (bit for bit on the published Llama 3.x and Qwen YaRN configs).
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from services.engine.models.rope_config import RopeScaling, RopeType
+from services.engine.model_config import RopeScaling, RopeType
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

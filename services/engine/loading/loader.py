@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from services.common.errors import ConfigError, CorruptModelError, ModelLoadError, ModelNotFoundError
 from services.common.manifest import GGUF_WEIGHTS_NAME, UNKNOWN_FINGERPRINT, Manifest, load_verified_manifest
-from services.engine.gguf_weights import BLOCK_ARCHITECTURES, load_gguf_weights
-from services.engine.kv_cache import fits_host_memory
 from services.engine.kv_export import dtype_name
-from services.engine.models.config import ModelConfig
+from services.engine.layers.kv_cache import fits_host_memory
+from services.engine.loading.gguf_weights import BLOCK_ARCHITECTURES, load_gguf_weights
+from services.engine.model_config import ModelConfig
 from services.engine.models.registry import CausalLM, build_model
 from services.engine.ops import step_threshold
 from services.engine.ops.cpu_features import can_run_cpu_kernels, cpu_flags, has_native_bf16_matmul

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.block_pool import NO_BLOCK, BlockPool
-from services.engine.request import Request
+from services.engine.scheduling.block_pool import NO_BLOCK, BlockPool
+from services.engine.scheduling.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

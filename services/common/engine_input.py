@@ -1,0 +1,97 @@
+"""What a request hands an engine, checked once where it enters a process and carried checked after that.
+
+`check_request` is the one check of a request's values: its ID (non-empty, printable ASCII, at most
+MAX_REQUEST_ID_LEN), its prompt (at least one token, each in [0, vocab_size): one vectorised pass, not
+a Python loop per token), its sampling settings (`SamplingParams.validate`, stop token IDs inside the
+vocabulary) and its cache salt. It returns an `EngineInput`, the checked type. A worker builds one from the
+wire (proto_convert.engine_input_from_proto); `kvrelay generate`, the benches and tests enter through the
+engine's raw-argument methods (`EngineCore.add_request`, `AsyncEngine.generate`), which call it. Past that
+point nothing checks the same values again: the engine's `add`/`start` take the `EngineInput` as it is.
+
+Facts that depend on a process's state are checked once too, by whoever holds that state: a duplicate
+request ID by the process's one registry of live IDs (the router's, the worker's; the engine's own when it
+is used as a library), the context length by the engine that knows its `max_model_len`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+
+from services.common.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidRequestError,
+    TokenOutOfRangeError,
+)
+from services.common.sampling import SamplingParams
+
+MAX_REQUEST_ID_LEN = 128  # the codec's own are 28 characters: req_ and 24 hex digits
+MAX_CACHE_SALT_BYTES = 64  # the codec's are 16
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """A request's values, checked by `check_request` (build it there, not by hand)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: bytes = b""
+
+
+def check_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    *,
+    priority: int = 0,
+    cache_salt: bytes = b"",
+) -> EngineInput:
+    """The request's values, each checked; InvalidRequestError (a 400, INVALID_ARGUMENT) names the first
+    one out of range."""
+    check_request_id(request_id)
+    prompt = check_prompt(prompt_token_ids, vocab_size)
+    params.validate(vocab_size)
+    if len(cache_salt) > MAX_CACHE_SALT_BYTES:
+        message = f"cache_salt holds {len(cache_salt)} bytes; the limit is {MAX_CACHE_SALT_BYTES}"
+        raise InvalidRequestError(message, param="cache_salt")
+    return EngineInput(request_id, prompt, params, priority, bytes(cache_salt))
+
+
+def check_request_id(request_id: str) -> str:
+    """A request ID names one stream in every service it crosses: 1 to MAX_REQUEST_ID_LEN printable
+    ASCII characters (it goes into logs and metadata)."""
+    if not request_id:
+        raise InvalidRequestError("request_id must not be empty", param="request_id")
+    if len(request_id) > MAX_REQUEST_ID_LEN or not (request_id.isascii() and request_id.isprintable()):
+        raise InvalidRequestError(
+            f"request_id must be at most {MAX_REQUEST_ID_LEN} printable ASCII characters", param="request_id"
+        )
+    return request_id
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt's token IDs as a list, none missing and each an int in [0, vocab_size). One pass in C:
+    the IDs are packed into a signed 64-bit array (a float, a string or an ID past int64 is refused there),
+    then its min and max are read."""
+    if not token_ids:
+        raise EmptyPromptError()
+    try:
+        packed = array("q", token_ids)
+    except (TypeError, OverflowError):
+        bad = next((t for t in token_ids if type(t) is not int or not 0 <= t < vocab_size), token_ids[0])
+        raise TokenOutOfRangeError(bad, vocab_size) from None  # type: ignore[arg-type]
+    if min(packed) < 0 or max(packed) >= vocab_size:
+        raise TokenOutOfRangeError(next(t for t in packed if not 0 <= t < vocab_size), vocab_size)
+    return packed.tolist()
+
+
+def check_unique(request_id: str, live: Container[str]) -> None:
+    """A process's one duplicate check: DuplicateRequestError when `request_id` is among its `live` IDs
+    (the router's and the worker's in-flight sets, AsyncEngine's open streams)."""
+    if request_id in live:
+        raise DuplicateRequestError(f"request {request_id!r} is already in flight")
