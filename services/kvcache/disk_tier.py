@@ -1,0 +1,89 @@
+"""The local-disk tier: one file per segment under a directory of the node, bounded in bytes, kept across
+worker restarts, safe when several workers share the directory.
+
+A value is written to a temporary file beside its final path and renamed into place (`os.replace` is
+atomic on one filesystem), so a reader sees a whole value or none, and two workers writing the same key
+write the same bytes. A hit touches the file's modification time; when the directory holds more than
+`capacity_bytes`, `put` removes the least recently used files down to 90% of it. Another worker may remove a
+file between a `contains` and a `get`: that is a miss. Keys are made of hex digits, `-` and `:`; the file
+name is the key with `:` as `_`, under a folder per namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+LOW_WATER = 0.9
+SUFFIX = ".kvs"
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        parts = key.split(":")
+        if len(parts) != 4 or not all(p and all(c in "0123456789abcdefkv-" for c in p) for p in parts):
+            raise ValueError(f"not a segment key: {key!r}")
+        return self.root / parts[1] / ("_".join(parts) + SUFFIX)
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            value = path.read_bytes()
+            os.utime(path)  # a hit is recent
+        except FileNotFoundError:
+            return None
+        return value
+
+    def put(self, key: str, value: bytes) -> bool:
+        path = self._path(key)
+        if path.exists():
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(value)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        self._evict_over_capacity()
+        return True
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        return [self._path(key).exists() for key in keys]
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def used_bytes(self) -> int:
+        return sum(size for _, size, _ in self._files())
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        files = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another worker evicted it
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        return files
+
+    def _evict_over_capacity(self) -> None:
+        files = self._files()
+        used = sum(size for _, size, _ in files)
+        if used <= self.capacity_bytes:
+            return
+        for _, size, path in sorted(files):  # oldest first
+            path.unlink(missing_ok=True)
+            used -= size
+            if used <= LOW_WATER * self.capacity_bytes:
+                return

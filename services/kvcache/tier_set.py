@@ -1,0 +1,205 @@
+"""The tiers below one worker's pool, fastest first, each behind its own breaker: the longest run of a
+request's segments found in any of them (`fetch`), and writes on a thread of their own (`SegmentWriter`).
+
+Reading: segment by segment in prefix order, each tier in turn, stopping at the first segment no tier
+has. A value that fails its checks (`check` raises SegmentMiss: corrupted, truncated, another namespace or
+tenant) is deleted from that tier and counted; the next tier may still have it. A tier that does not answer
+counts a failure on its breaker and is skipped; an open breaker skips it without asking. Past `deadline`
+the run ends where it is: what was fetched is used, the rest recomputed.
+
+Writing is an optimisation, never a requirement: `SegmentWriter.submit` queues a segment for every tier
+and returns at once; the queue is bounded (a full queue drops the write), a key written recently is not
+written again, and a byte budget per second drops what would exceed it. Every drop is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
+
+from services.kvcache.segment import SegmentMiss
+from services.kvcache.tier import Breaker, Tier, TierUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class TierStats:
+    """Counts per tier name (`Counter`s keyed by the tier's `name`)."""
+
+    hits: Counter[str] = field(default_factory=Counter)
+    misses: Counter[str] = field(default_factory=Counter)
+    corrupt: Counter[str] = field(default_factory=Counter)  # values that failed their checks (deleted)
+    unavailable: Counter[str] = field(default_factory=Counter)  # calls that failed, or skipped while open
+    bytes_read: Counter[str] = field(default_factory=Counter)
+    bytes_written: Counter[str] = field(default_factory=Counter)
+    writes_dropped: Counter[str] = field(default_factory=Counter)  # by reason: queue, budget
+
+
+class TierSet:
+    def __init__(self, tiers: Sequence[Tier], make_breaker: Callable[[], Breaker] = Breaker) -> None:
+        self.tiers = list(tiers)
+        self.breakers = {tier.name: make_breaker() for tier in self.tiers}
+        self.stats = TierStats()
+        self._lock = threading.Lock()  # the writer thread and the readers share the breakers and counts
+
+    def fetch(
+        self, keys: Sequence[str], check: Callable[[int, bytes], bytes], deadline: float
+    ) -> list[bytes]:
+        """The checked payloads of keys[0], keys[1], ... up to the first one no tier holds (or `deadline`,
+        on time.monotonic()). `check(i, value)` returns segment i's payload or raises SegmentMiss."""
+        payloads: list[bytes] = []
+        for index, key in enumerate(keys):
+            if time.monotonic() >= deadline:
+                break
+            payload = self._fetch_one(index, key, check)
+            if payload is None:
+                break
+            payloads.append(payload)
+        return payloads
+
+    def _fetch_one(self, index: int, key: str, check: Callable[[int, bytes], bytes]) -> bytes | None:
+        for tier in self.tiers:
+            value = self._call(tier, partial(tier.get, key))
+            if value is None:
+                with self._lock:
+                    self.stats.misses[tier.name] += 1
+                continue
+            try:
+                payload = check(index, value)
+            except SegmentMiss as miss:
+                log.warning("kv tier value refused", extra={"tier": tier.name, "reason": str(miss)})
+                with self._lock:
+                    self.stats.corrupt[tier.name] += 1
+                self._call(tier, partial(tier.delete, key))
+                continue
+            with self._lock:
+                self.stats.hits[tier.name] += 1
+                self.stats.bytes_read[tier.name] += len(value)
+            return payload
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        """Store `value` in every tier that lacks it (on the caller's thread: the writer's)."""
+        for tier in self.tiers:
+            stored = self._call(tier, partial(tier.put, key, value))
+            if stored:
+                with self._lock:
+                    self.stats.bytes_written[tier.name] += len(value)
+
+    def _call(self, tier: Tier, call: Callable[[], T]) -> T | None:
+        """`call()` on `tier` behind its breaker; None when the breaker is open or the tier fails."""
+        breaker = self.breakers[tier.name]
+        with self._lock:
+            allowed = breaker.allow()
+            if not allowed:
+                self.stats.unavailable[tier.name] += 1
+        if not allowed:
+            return None
+        try:
+            result = call()
+        except TierUnavailable as exc:
+            with self._lock:
+                breaker.record_failure()
+                self.stats.unavailable[tier.name] += 1
+            log.warning("kv tier unavailable", extra={"tier": tier.name, "error": str(exc)})
+            return None
+        with self._lock:
+            breaker.record_success()
+        return result
+
+
+class SegmentWriter:
+    """Writes queued segments to a TierSet on a daemon thread; see the module docstring for what drops."""
+
+    def __init__(
+        self,
+        tiers: TierSet,
+        *,
+        max_queued: int = 64,
+        bytes_per_s: float = 256e6,
+        remember: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tiers = tiers
+        self.bytes_per_s = bytes_per_s
+        self.clock = clock
+        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(max_queued)
+        self._written: OrderedDict[str, None] = OrderedDict()  # keys written lately, oldest first
+        self._remember = remember
+        self._budget = bytes_per_s  # a token bucket of bytes, one second deep
+        self._refilled_at = clock()
+        self._idle = threading.Condition()
+        self._num_pending = 0
+        self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, value: bytes) -> bool:
+        """Queue `value` under `key` for every tier; False when it is dropped (known, budget, queue)."""
+        if key in self._written:
+            return False
+        if not self._take_budget(len(value)):
+            self._drop("budget")
+            return False
+        with self._idle:
+            self._num_pending += 1
+        try:
+            self._queue.put_nowait((key, value))
+        except queue.Full:
+            with self._idle:
+                self._num_pending -= 1
+            self._drop("queue")
+            return False
+        self._remember_key(key)
+        return True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until every queued write is done (tests, shutdown); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._num_pending == 0, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.wait_idle(timeout)
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            return  # the daemon thread ends with the process
+        self._thread.join(timeout)
+
+    def _take_budget(self, num_bytes: int) -> bool:
+        now = self.clock()
+        self._budget = min(self.bytes_per_s, self._budget + (now - self._refilled_at) * self.bytes_per_s)
+        self._refilled_at = now
+        if num_bytes > self._budget:
+            return False
+        self._budget -= num_bytes
+        return True
+
+    def _remember_key(self, key: str) -> None:
+        self._written[key] = None
+        while len(self._written) > self._remember:
+            self._written.popitem(last=False)
+
+    def _drop(self, reason: str) -> None:
+        with self.tiers._lock:
+            self.tiers.stats.writes_dropped[reason] += 1
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, value = item
+            try:
+                self.tiers.put(key, value)
+            except Exception:  # a write must never take the worker down
+                log.exception("kv tier write failed")
+            finally:
+                with self._idle:
+                    self._num_pending -= 1
+                    self._idle.notify_all()

@@ -1,0 +1,154 @@
+"""Reading a request's segments through the tiers (fastest first, each behind its breaker) and writing them
+on a thread of their own (services/kvcache/tier_set.py). A dict stands in for a store where the real ones
+are not the point; the disk tier is the real one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.kvcache.disk_tier import DiskTier
+from services.kvcache.segment import SegmentMiss
+from services.kvcache.tier import Breaker, TierUnavailable
+from services.kvcache.tier_set import SegmentWriter, TierSet
+
+NS = "0123456789abcdef"
+KEYS = [f"kv1:{NS}:-:{i:064x}" for i in range(4)]
+
+
+class DictTier:
+    """A store in a dict, or one that is down (`is_down`): a seam, not a backend."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.values: dict[str, bytes] = {}
+        self.is_down = False
+        self.num_calls = 0
+
+    def _answer(self) -> None:
+        self.num_calls += 1
+        if self.is_down:
+            raise TierUnavailable(f"{self.name} is down")
+
+    def get(self, key: str) -> bytes | None:
+        self._answer()
+        return self.values.get(key)
+
+    def put(self, key: str, value: bytes) -> bool:
+        self._answer()
+        return self.values.setdefault(key, value) is value
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        self._answer()
+        return [key in self.values for key in keys]
+
+    def delete(self, key: str) -> None:
+        self._answer()
+        self.values.pop(key, None)
+
+
+def check(index: int, value: bytes) -> bytes:
+    if not value.startswith(b"good"):
+        raise SegmentMiss("checksum differs")
+    return value[4:]
+
+
+def far() -> float:
+    return time.monotonic() + 60
+
+
+def test_the_run_is_the_longest_prefix_found_across_the_tiers(tmp_path: Path) -> None:
+    disk, shared = DiskTier(tmp_path, 1 << 20), DictTier("shared")
+    disk.put(KEYS[0], b"good0")
+    shared.values[KEYS[1]] = b"good1"
+    shared.values[KEYS[3]] = b"good3"  # after a gap: never reached
+    tiers = TierSet([disk, shared])
+    assert tiers.fetch(KEYS, check, far()) == [b"0", b"1"]
+    assert tiers.stats.hits == {"disk": 1, "shared": 1}
+
+
+def test_a_corrupted_value_is_deleted_and_the_next_tier_serves_it(tmp_path: Path) -> None:
+    disk, shared = DiskTier(tmp_path, 1 << 20), DictTier("shared")
+    disk.put(KEYS[0], b"bad!")
+    shared.values[KEYS[0]] = b"good0"
+    tiers = TierSet([disk, shared])
+    assert tiers.fetch(KEYS[:1], check, far()) == [b"0"]
+    assert tiers.stats.corrupt["disk"] == 1
+    assert disk.get(KEYS[0]) is None  # deleted: the next reader does not meet it again
+
+
+def test_a_down_tier_opens_its_breaker_and_is_no_longer_asked() -> None:
+    shared = DictTier("shared")
+    shared.is_down = True
+    now = [0.0]
+    tiers = TierSet([shared], make_breaker=lambda: Breaker(2, cooldown_s=30, clock=lambda: now[0]))
+    for _ in range(5):
+        assert tiers.fetch(KEYS, check, far()) == []  # the no-cache path: nothing fetched, no error
+    assert shared.num_calls == 2  # then open: not asked
+    shared.is_down = False
+    shared.values[KEYS[0]] = b"good0"
+    now[0] = 31  # the cooldown passed: one probe, which answers, closes the breaker
+    assert tiers.fetch(KEYS, check, far()) == [b"0"]
+    assert not tiers.breakers["shared"].is_open
+
+
+def test_a_passed_deadline_keeps_what_was_fetched() -> None:
+    shared = DictTier("shared")
+    shared.values.update({key: b"good" + bytes([i]) for i, key in enumerate(KEYS)})
+    tiers = TierSet([shared])
+    assert tiers.fetch(KEYS, check, time.monotonic() - 1) == []
+    assert shared.num_calls == 0
+
+
+def test_the_writer_writes_every_tier_once_and_a_down_tier_does_not_stop_the_others(tmp_path: Path) -> None:
+    disk, shared = DiskTier(tmp_path, 1 << 20), DictTier("shared")
+    shared.is_down = True
+    tiers = TierSet([disk, shared])
+    writer = SegmentWriter(tiers)
+    assert writer.submit(KEYS[0], b"good0")
+    assert not writer.submit(KEYS[0], b"good0")  # written lately: not again
+    assert writer.wait_idle(10)
+    assert disk.get(KEYS[0]) == b"good0"
+    assert tiers.stats.bytes_written["disk"] == 5 and tiers.stats.unavailable["shared"] == 1
+    writer.close()
+
+
+def test_the_writer_drops_what_exceeds_its_byte_budget() -> None:
+    shared = DictTier("shared")
+    now = [0.0]
+    writer = SegmentWriter(TierSet([shared]), bytes_per_s=100, clock=lambda: now[0])
+    assert writer.submit(KEYS[0], bytes(80))
+    assert not writer.submit(KEYS[1], bytes(80))  # 20 bytes left this second
+    now[0] = 1.0
+    assert writer.submit(KEYS[1], bytes(80))  # refilled
+    assert writer.wait_idle(10)
+    assert writer.tiers.stats.writes_dropped == {"budget": 1}
+    assert set(shared.values) == {KEYS[0], KEYS[1]}
+    writer.close()
+
+
+def test_the_writer_drops_when_its_queue_is_full() -> None:
+    shared = DictTier("shared")
+    gate = threading.Event()
+
+    def slow_put(key: str, value: bytes) -> bool:
+        gate.wait(10)  # holds the writer thread until the test opens the gate
+        shared.values[key] = value
+        return True
+
+    shared.put = slow_put  # type: ignore[method-assign]
+    writer = SegmentWriter(TierSet([shared]), max_queued=1)
+    results = [writer.submit(key, b"v") for key in KEYS]
+    gate.set()
+    assert writer.wait_idle(10)
+    assert results[0] and not all(results)
+    assert writer.tiers.stats.writes_dropped["queue"] >= 1
+    writer.close()
+
+
+@pytest.mark.parametrize("num_keys", [0, 1])
+def test_an_empty_or_missing_run_is_empty(num_keys: int) -> None:
+    assert TierSet([DictTier("shared")]).fetch(KEYS[:num_keys], check, far()) == []

@@ -1,0 +1,162 @@
+"""The tiers below a worker's pool (services/kvcache): the local-disk tier (bounded, shared by two workers,
+a whole value or none), the shared tier on a Redis of its own role (started here, `allkeys-lru`, a
+`maxmemory`, no persistence), one that never answers, and the breaker that stops asking a failing tier."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.kvcache.disk_tier import DiskTier
+from services.kvcache.redis_tier import RedisTier
+from services.kvcache.tier import Breaker, TierUnavailable
+from tests.ports import free_port
+from tests.stack_helpers import wait_until
+
+NS = "0123456789abcdef"
+
+
+def key(i: int, tenant: str = "-") -> str:
+    return f"kv1:{NS}:{tenant}:{i:064x}"
+
+
+def test_the_disk_tier_stores_once_and_reads_back(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    assert tier.get(key(1)) is None
+    assert tier.put(key(1), b"segment one")
+    assert not tier.put(key(1), b"segment one")  # content-addressed: the first writer wins
+    assert tier.get(key(1)) == b"segment one"
+    assert tier.contains([key(1), key(2)]) == [True, False]
+    tier.delete(key(1))
+    assert tier.get(key(1)) is None
+
+
+def test_the_disk_tier_survives_a_restart_and_is_shared_by_two_workers(tmp_path: Path) -> None:
+    DiskTier(tmp_path, capacity_bytes=1 << 20).put(key(1), b"written by worker 0")
+    other = DiskTier(tmp_path, capacity_bytes=1 << 20)  # a second worker, or the first one restarted
+    assert other.get(key(1)) == b"written by worker 0"
+    assert not list(tmp_path.rglob("*.tmp"))  # no half-written file left behind
+
+
+def test_the_disk_tier_evicts_least_recently_used_down_to_its_capacity(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=3500)
+    for i in range(3):
+        tier.put(key(i), bytes(1000))
+        stamp = 1_000_000 + i
+        os.utime(next(tmp_path.rglob(f"*{i:064x}*")), (stamp, stamp))
+    assert tier.get(key(0)) == bytes(1000)  # a hit: key 0 is now the most recently used
+    assert tier.used_bytes() == 3000
+    tier.put(key(3), bytes(1000))  # over capacity: the least recently used (key 1) goes
+    assert tier.contains([key(0), key(1), key(2), key(3)]) == [True, False, True, True]
+    assert tier.used_bytes() <= 3500
+
+
+def test_a_key_that_is_not_a_segment_key_is_refused(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    for bad in ("../../etc/passwd", f"kv1:{NS}:-:../x", "kv1:a:b"):
+        with pytest.raises(ValueError):
+            tier.get(bad)
+
+
+@pytest.fixture(scope="module")
+def cache_redis() -> Iterator[str]:
+    """A Redis of the shared tier's role: LRU over a small maxmemory, persistence off."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not on PATH")
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def answers() -> bool:
+        try:
+            return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    try:
+        wait_until(answers, 20, "the cache redis-server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_shared_tier_stores_once_refreshes_on_a_hit_and_expires(cache_redis: str) -> None:
+    tier = RedisTier.from_url(cache_redis, ttl_s=60, timeout_s=1.0)
+    tier.client.flushdb()
+    assert tier.get(key(1)) is None
+    assert tier.put(key(1), b"shared segment")
+    assert not tier.put(key(1), b"shared segment")
+    tier.client.expire(key(1), 5)
+    assert tier.get(key(1)) == b"shared segment"
+    assert tier.client.ttl(key(1)) > 5  # GETEX: the hit restored the full TTL
+    assert tier.contains([key(1), key(2)]) == [True, False]
+    tier.delete(key(1))
+    assert tier.contains([key(1)]) == [False]
+    tier.close()
+
+
+def test_the_shared_tier_drops_least_recently_used_under_its_maxmemory(cache_redis: str) -> None:
+    tier = RedisTier.from_url(cache_redis, ttl_s=60, timeout_s=1.0)
+    tier.client.flushdb()
+    for i in range(40):  # 40 x 100 KB in 2 MB
+        assert tier.put(key(i), bytes(100_000))
+    kept = tier.contains([key(i) for i in range(40)])
+    assert not all(kept) and kept[-1]  # old segments went, the newest stayed
+    tier.close()
+
+
+def test_a_stopped_shared_tier_is_unavailable_not_an_error() -> None:
+    tier = RedisTier.from_url(f"redis://127.0.0.1:{free_port()}/0", ttl_s=60, timeout_s=0.5)
+    with pytest.raises(TierUnavailable):
+        tier.get(key(1))
+    with pytest.raises(TierUnavailable):
+        tier.put(key(1), b"x")
+
+
+def test_a_shared_tier_that_accepts_but_never_answers_costs_one_timeout() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    tier = RedisTier.from_url(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", ttl_s=60, timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(TierUnavailable):
+        tier.get(key(1))
+    assert time.monotonic() - started < 5  # bounded by the socket timeout, never a hang
+    listener.close()
+    for conn in accepted:
+        conn.close()
+
+
+def test_the_breaker_opens_after_failures_and_closes_when_the_tier_answers() -> None:
+    now = [0.0]
+    breaker = Breaker(failure_threshold=2, cooldown_s=10, clock=lambda: now[0])
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.allow()
+    breaker.record_failure()
+    assert not breaker.allow()  # open: the tier is not asked
+    now[0] = 11
+    assert breaker.allow()  # half-open: one probe
+    breaker.record_failure()
+    assert not breaker.allow()  # the probe failed: a full cooldown again
+    now[0] = 22
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.allow() and breaker.num_failures == 0
