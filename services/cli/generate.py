@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         except (KvrelayError, ValueError, TypeError) as exc:
             results[index] = {"index": index, "error": {"type": type(exc).__name__, "message": str(exc)}}
     _run_to_completion(engine, accepted, tokenizer, results, show=not args.no_progress)
+    engine.close()  # the KV tiers' queued writes, when they are on
     with args.output.open("w") as out:
         for index in range(len(raw_lines)):
             out.write(json.dumps(results[index], ensure_ascii=False) + "\n")

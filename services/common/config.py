@@ -229,6 +229,24 @@ class DisaggregationConfig(_Section):
     min_prompt_tokens: int = Field(default=0, ge=0)  # shorter prompts are prefilled on the decode replica
 
 
+class KvTiersConfig(_Section):
+    """The KV tiers below each worker's pool (docs/kv-tiers.md); off while neither `disk_path` nor
+    `shared_url` is set. The shared tier's password comes from the environment (KVRELAY_KV_TIERS_PASSWORD),
+    never from this file."""
+
+    disk_path: str | None = Field(default=None, min_length=1)  # a node directory, shared by its workers
+    disk_capacity_mb: int = Field(default=10_240, gt=0)
+    shared_url: str | None = Field(default=None, min_length=1)  # redis:// or rediss://, a Redis of its own
+    segment_tokens: int = Field(default=256, gt=0)  # a multiple of engine.block_size
+    ttl_s: int = Field(default=86_400, gt=0)  # the shared tier's TTL, refreshed by a hit
+    timeout_ms: int = Field(default=200, gt=0)  # any one call to the shared tier
+    write_mb_per_s: float = Field(default=256.0, gt=0)  # beyond it, writes are dropped (and counted)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.disk_path is not None or self.shared_url is not None
+
+
 class RouterConfig(_Section):
     """Replica choice (docs/routing.md)."""
 
@@ -283,6 +301,7 @@ class KvrelayConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     server: ServerConfig = ServerConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    kv_tiers: KvTiersConfig = KvTiersConfig()
     router: RouterConfig = RouterConfig()
     auth: AuthConfig = AuthConfig()
     quotas: QuotasConfig = QuotasConfig()

@@ -152,6 +152,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.core.close()
 
     @property
     def is_alive(self) -> bool:

@@ -142,6 +142,7 @@ class EngineCore:
         self.grammars = grammars
         self.served = served or ServedWeights("safetensors", 0)
         self._in_flight: _InFlight | None = None
+        self._close_tiers: Callable[[], None] | None = None
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -237,6 +238,7 @@ class EngineCore:
                     max_model_len=self.max_model_len,
                     export_kv_from=export_kv_from,
                     matcher=matchers[index],
+                    cache_salt=request.cache_salt,
                 )
             )
         return samples
@@ -401,6 +403,20 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             kv=kv,
         )
+
+    # -- the KV tiers below the pool --------------------------------------------------------------
+
+    def write_through(self, on_finish: Callable[[Request], None], close: Callable[[], None]) -> None:
+        """Hand every request that leaves the scheduler (but an aborted one) to `on_finish` before its
+        blocks go back (engine/kv_tiers.py copies its segments out); `close` runs at `close`."""
+        self.scheduler.on_finish = on_finish
+        self._close_tiers = close
+
+    def close(self) -> None:
+        """Let queued tier writes finish (bounded); the engine is not stepped after this."""
+        if self._close_tiers is not None:
+            self._close_tiers()
+            self._close_tiers = None
 
     # -- the prefix cache, metrics and checks -----------------------------------------------------
 

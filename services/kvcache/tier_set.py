@@ -132,7 +132,7 @@ class SegmentWriter:
         self.tiers = tiers
         self.bytes_per_s = bytes_per_s
         self.clock = clock
-        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(max_queued)
+        self._queue: queue.Queue[tuple[str, Callable[[], bytes]] | None] = queue.Queue(max_queued)
         self._written: OrderedDict[str, None] = OrderedDict()  # keys written lately, oldest first
         self._remember = remember
         self._budget = bytes_per_s  # a token bucket of bytes, one second deep
@@ -142,17 +142,22 @@ class SegmentWriter:
         self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, value: bytes) -> bool:
-        """Queue `value` under `key` for every tier; False when it is dropped (known, budget, queue)."""
+    def knows(self, key: str) -> bool:
+        """Whether `key` was queued lately (its segment need not be copied out again)."""
+        return key in self._written
+
+    def submit(self, key: str, num_bytes: int, make_value: Callable[[], bytes]) -> bool:
+        """Queue the value `make_value()` will build (on the writer's thread; about `num_bytes` long) under
+        `key` for every tier; False when it is dropped (known, budget, queue)."""
         if key in self._written:
             return False
-        if not self._take_budget(len(value)):
+        if not self._take_budget(num_bytes):
             self._drop("budget")
             return False
         with self._idle:
             self._num_pending += 1
         try:
-            self._queue.put_nowait((key, value))
+            self._queue.put_nowait((key, make_value))
         except queue.Full:
             with self._idle:
                 self._num_pending -= 1
@@ -194,9 +199,9 @@ class SegmentWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, value = item
+            key, make_value = item
             try:
-                self.tiers.put(key, value)
+                self.tiers.put(key, make_value())
             except Exception:  # a write must never take the worker down
                 log.exception("kv tier write failed")
             finally:

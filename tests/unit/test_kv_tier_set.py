@@ -108,8 +108,8 @@ def test_the_writer_writes_every_tier_once_and_a_down_tier_does_not_stop_the_oth
     shared.is_down = True
     tiers = TierSet([disk, shared])
     writer = SegmentWriter(tiers)
-    assert writer.submit(KEYS[0], b"good0")
-    assert not writer.submit(KEYS[0], b"good0")  # written lately: not again
+    assert writer.submit(KEYS[0], 5, lambda: b"good0")
+    assert not writer.submit(KEYS[0], 5, lambda: b"good0")  # written lately: not again
     assert writer.wait_idle(10)
     assert disk.get(KEYS[0]) == b"good0"
     assert tiers.stats.bytes_written["disk"] == 5 and tiers.stats.unavailable["shared"] == 1
@@ -120,10 +120,10 @@ def test_the_writer_drops_what_exceeds_its_byte_budget() -> None:
     shared = DictTier("shared")
     now = [0.0]
     writer = SegmentWriter(TierSet([shared]), bytes_per_s=100, clock=lambda: now[0])
-    assert writer.submit(KEYS[0], bytes(80))
-    assert not writer.submit(KEYS[1], bytes(80))  # 20 bytes left this second
+    assert writer.submit(KEYS[0], 80, lambda: bytes(80))
+    assert not writer.submit(KEYS[1], 80, lambda: bytes(80))  # 20 bytes left this second
     now[0] = 1.0
-    assert writer.submit(KEYS[1], bytes(80))  # refilled
+    assert writer.submit(KEYS[1], 80, lambda: bytes(80))  # refilled
     assert writer.wait_idle(10)
     assert writer.tiers.stats.writes_dropped == {"budget": 1}
     assert set(shared.values) == {KEYS[0], KEYS[1]}
@@ -141,7 +141,7 @@ def test_the_writer_drops_when_its_queue_is_full() -> None:
 
     shared.put = slow_put  # type: ignore[method-assign]
     writer = SegmentWriter(TierSet([shared]), max_queued=1)
-    results = [writer.submit(key, b"v") for key in KEYS]
+    results = [writer.submit(key, 1, lambda: b"v") for key in KEYS]
     gate.set()
     assert writer.wait_idle(10)
     assert results[0] and not all(results)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from services.common.manifest import Manifest
 from services.common.sampling import MAX_LOGPROBS, SamplingParams
 from services.engine.core import EngineCore, ServedWeights
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
+from services.engine.kv_export import dtype_name
+from services.engine.kv_tiers import SegmentWrites, build_tiers
 from services.engine.layers.attention_backend import PagedAttention, TorchAttention
 from services.engine.layers.attention_metadata import RowSpec, build_metadata, to_device
 from services.engine.layers.grammar_matchers import GrammarMatchers
@@ -54,6 +57,8 @@ from services.engine.runner_protocol import Runner
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.kv_manager import KVCacheManager, PrefixCacheStats
 from services.engine.scheduling.scheduler import Scheduler
+from services.kvcache.segment import Namespace
+from services.kvcache.tier_set import SegmentWriter
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +215,7 @@ def build_core_from_loaded(
                 spec.bytes_per_block, spec.block_size, memory, util, max_model_len, graph_bytes
             )
 
-    return assemble_core(
+    core = assemble_core(
         loaded.config,
         loaded.manifest,
         engine,
@@ -221,6 +226,33 @@ def build_core_from_loaded(
         device=device,
         grammars=grammars,
         served=served_weights(loaded),
+    )
+    if config.kv_tiers.is_enabled:
+        writes = SegmentWrites(
+            tier_namespace(loaded, engine.block_size),
+            config.kv_tiers.segment_tokens,
+            SegmentWriter(
+                build_tiers(config.kv_tiers, dict(os.environ)),
+                bytes_per_s=config.kv_tiers.write_mb_per_s * 1e6,
+            ),
+            core.runner.read_kv,
+        )
+        core.write_through(writes.on_finish, writes.close)
+    return core
+
+
+def tier_namespace(loaded: LoadedModel, block_size: int) -> Namespace:
+    """Everything of this served model that changes its KV bytes (services/kvcache/segment.py)."""
+    config = loaded.config
+    return Namespace(
+        model_fingerprint=loaded.manifest.model_fingerprint,
+        weights=loaded.weights,
+        compute_dtype=dtype_name(loaded.model.dtype),
+        kv_dtype=dtype_name(loaded.model.kv_dtype),
+        block_size=block_size,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
     )
 
 

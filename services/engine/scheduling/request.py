@@ -50,6 +50,8 @@ class Request:
     # Structured output (grammar_matchers.py): the grammar state after the output tokens known so far. Each
     # sampled token is fed to it once, when it is appended or resolved; a recompute feeds it nothing.
     matcher: LLMatcher | None = None
+    # The tenant's prefix-cache namespace, also mixed into every block hash (block_hasher).
+    cache_salt: bytes = b""
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.outputs import FinishReason, TokenLogprob
@@ -78,6 +78,9 @@ class Scheduler:
     requests: dict[SeqId, Request] = field(default_factory=dict)
     num_preemptions: int = 0
     num_generated_tokens: int = 0  # tokens sampled (appended in `update`), never reset
+    # Called with each request that leaves through `finish` other than by an abort, before its blocks go
+    # back to the pool (the KV tiers copy its segments out: engine/kv_tiers.py).
+    on_finish: Callable[[Request], None] | None = None
     # Seconds each newly admitted request waited since arrival, until `take_queue_times`.
     _queue_times: list[float] = field(default_factory=list, init=False)
 
@@ -250,6 +253,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         # WAITING_FOR_KV requests sit in neither list; releasing their reservation is all.
+        if self.on_finish is not None and reason is not FinishReason.ABORT:
+            self.on_finish(request)
         self.kv.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -1,0 +1,62 @@
+"""The real model writes through to the disk tier when `kv_tiers.disk_path` is set (the factory's wiring),
+and each stored segment holds exactly the KV the engine computed for those tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.block_hash import hash_token_blocks
+from services.common.config import load_config
+from services.common.sampling import SamplingParams
+from services.engine.loading.factory import build_core
+from services.kvcache.disk_tier import DiskTier
+from services.kvcache.segment import Namespace, decode, segment_key
+from tests.engine_helpers import run_to_completion
+
+pytestmark = pytest.mark.model
+
+
+def test_a_finished_request_is_written_through_with_its_exact_kv(model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, env={})
+    cfg = cfg.model_copy(
+        update={
+            "model": cfg.model.model_copy(
+                update={"path": str(model_dir), "dtype": "float32", "weights": "safetensors"}
+            ),
+            "kv_tiers": cfg.kv_tiers.model_copy(update={"disk_path": str(tmp_path), "segment_tokens": 32}),
+        }
+    )
+    core = build_core(cfg)
+    prompt = list(range(100, 170))  # 70 tokens: two whole segments of the prompt
+    core.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=b"tenant-a")
+    run_to_completion(core)
+    blocks = core.block_size
+    hashes = hash_token_blocks(core.root_hash, prompt, blocks, b"tenant-a")
+    namespace = Namespace(
+        core.manifest.model_fingerprint, core.served.weights, "float32", "float32", blocks,
+        core.model_config.num_layers, core.model_config.num_kv_heads, core.model_config.head_dim,
+    )  # fmt: skip
+    core.close()  # lets the writer finish
+    disk = DiskTier(tmp_path, 1 << 30)
+    # The same prompt again, cold, in a fresh engine with no tiers: the KV each segment must hold.
+    cold = build_core(
+        cfg.model_copy(update={"kv_tiers": cfg.kv_tiers.model_copy(update={"disk_path": None})})
+    )
+    held = SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True
+    )  # still holds its blocks after a step
+    cold.add_request("c", prompt, held, cache_salt=b"tenant-a")
+    request = cold.scheduler.requests[next(iter(cold.scheduler.requests))]
+    cold.step()  # the prefill: the prompt's KV is in the pool, the request still holds its blocks
+    for start in (0, 32):
+        seg_hashes = hashes[start // blocks : (start + 32) // blocks]
+        value = disk.get(segment_key(namespace, b"tenant-a", seg_hashes[-1]))
+        assert value is not None, f"no segment at {start}"
+        payload = decode(value, namespace, b"tenant-a", start, seg_hashes)
+        want = cold.runner.read_kv(request.block_ids, start, start + 32)  # [L, 32, 2, H, D]
+        got = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(want.shape)
+        assert torch.equal(got, want)
+    assert len(list(tmp_path.rglob("*.kvs"))) == 2

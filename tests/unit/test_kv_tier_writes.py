@@ -1,0 +1,109 @@
+"""Writing through to the KV tiers (services/engine/kv_tiers.py): as a request leaves, every full segment of
+what it computed goes to the tiers, under its tenant, holding exactly its KV. A fake runner stands in for
+the model: its KV holds each slot's token ID (K) and position (V), so a segment's bytes say which tokens
+they are the KV of."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.common.block_hash import hash_token_blocks
+from services.common.sampling import SamplingParams
+from services.engine.core import EngineCore
+from services.engine.kv_tiers import SegmentWrites
+from services.kvcache.disk_tier import DiskTier
+from services.kvcache.segment import Namespace, SegmentMiss, decode, segment_key
+from services.kvcache.tier_set import SegmentWriter, TierSet
+from tests.engine_fakes import FAKE_MANIFEST, FAKE_MODEL, make_fake_engine
+from tests.engine_helpers import drain
+
+BLOCK = 16
+SEGMENT = 2 * BLOCK
+NS = Namespace(
+    FAKE_MANIFEST.model_fingerprint, "safetensors", "float32", "float32", BLOCK,
+    FAKE_MODEL.num_layers, FAKE_MODEL.num_kv_heads, FAKE_MODEL.head_dim,
+)  # fmt: skip
+
+
+def engine_writing_to(tmp_path: Path) -> tuple[EngineCore, DiskTier, SegmentWriter]:
+    engine = make_fake_engine(kv_cache_memory_mb=4, block_size=BLOCK)
+    disk = DiskTier(tmp_path, 1 << 30)
+    writer = SegmentWriter(TierSet([disk]))
+    writes = SegmentWrites(NS, SEGMENT, writer, engine.runner.read_kv)
+    engine.write_through(writes.on_finish, writes.close)
+    return engine, disk, writer
+
+
+def stored_segments(
+    engine: EngineCore, disk: DiskTier, token_ids: list[int], salt: bytes
+) -> list[torch.Tensor]:
+    """The KV of each segment of `token_ids` the disk holds, in order, up to the first it lacks."""
+    hashes = hash_token_blocks(engine.root_hash, token_ids, BLOCK, salt)
+    found = []
+    for start in range(0, len(hashes) * BLOCK - SEGMENT + 1, SEGMENT):
+        seg_hashes = hashes[start // BLOCK : (start + SEGMENT) // BLOCK]
+        value = disk.get(segment_key(NS, salt, seg_hashes[-1]))
+        if value is None:
+            break
+        payload = decode(value, NS, salt, start, seg_hashes)
+        shape = (NS.num_layers, SEGMENT, 2, NS.num_kv_heads, NS.head_dim)
+        found.append(torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape))
+    return found
+
+
+def test_a_finished_request_leaves_every_full_segment_of_its_prompt_and_output(tmp_path: Path) -> None:
+    engine, disk, writer = engine_writing_to(tmp_path)
+    prompt = [(7 * i) % 100 + 2 for i in range(70)]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=27, ignore_eos=True), cache_salt=b"tenant-a")
+    outputs = drain(engine)
+    assert writer.wait_idle(10)
+    tokens = prompt + [o.new_token_ids[0] for o in outputs][:-1]  # the last sampled token has no KV
+    segments = stored_segments(engine, disk, tokens, b"tenant-a")
+    assert len(segments) == len(tokens) // SEGMENT == 3  # 96 tokens with KV (70 + 26): three segments
+    for index, kv in enumerate(segments):
+        start = index * SEGMENT
+        assert (kv[:, :, 0] == kv[0, :, 0, 0, 0].view(1, -1, 1, 1)).all()  # one value per token, every layer
+        assert kv[0, :, 0, 0, 0].tolist() == tokens[start : start + SEGMENT]  # K: these tokens
+        assert kv[0, :, 1, 0, 0].tolist() == list(range(start, start + SEGMENT))  # V: these positions
+    engine.close()
+
+
+def test_segments_are_the_tenants_own(tmp_path: Path) -> None:
+    engine, disk, writer = engine_writing_to(tmp_path)
+    prompt = list(range(2, 66))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1), cache_salt=b"tenant-a")
+    drain(engine)
+    assert writer.wait_idle(10)
+    assert len(stored_segments(engine, disk, prompt, b"tenant-a")) == 2  # the 64 prompt tokens
+    assert stored_segments(engine, disk, prompt, b"tenant-b") == []  # B's keys: nothing there
+    hashes = hash_token_blocks(engine.root_hash, prompt, BLOCK, b"tenant-a")[:2]
+    value = disk.get(segment_key(NS, b"tenant-a", hashes[-1]))
+    assert value is not None
+    try:
+        decode(value, NS, b"tenant-b", 0, hashes)
+        raise AssertionError("tenant B decoded tenant A's segment")
+    except SegmentMiss as miss:
+        assert "tenant" in str(miss)
+    engine.close()
+
+
+def test_an_aborted_request_and_a_repeated_segment_are_not_written(tmp_path: Path) -> None:
+    engine, _, writer = engine_writing_to(tmp_path)
+    prompt = list(range(2, 70))
+    engine.add_request("gone", prompt, SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort(["gone"])
+    drain(engine)
+    assert writer.wait_idle(10)
+    assert not list(tmp_path.rglob("*.kvs"))
+    engine.add_request("one", prompt, SamplingParams(max_tokens=1))
+    drain(engine)
+    engine.add_request("two", prompt, SamplingParams(max_tokens=1))  # the same prefix: known to the writer
+    reads_before = len(engine.runner.kv_reads)  # type: ignore[attr-defined]
+    drain(engine)
+    assert len(engine.runner.kv_reads) == reads_before  # type: ignore[attr-defined]  # not copied out again
+    assert writer.wait_idle(10)
+    assert len(list(tmp_path.rglob("*.kvs"))) == 2
+    engine.close()
