@@ -240,6 +240,7 @@ class KvTiersConfig(_Section):
     segment_tokens: int = Field(default=256, gt=0)  # a multiple of engine.block_size
     ttl_s: int = Field(default=86_400, gt=0)  # the shared tier's TTL, refreshed by a hit
     timeout_ms: int = Field(default=200, gt=0)  # any one call to the shared tier
+    fetch_deadline_ms: int = Field(default=1000, gt=0)  # a request's whole lookup; past it, recompute
     write_mb_per_s: float = Field(default=256.0, gt=0)  # beyond it, writes are dropped (and counted)
 
     @property

@@ -41,7 +41,7 @@ from services.engine.model_config import ModelConfig
 from services.engine.runner_protocol import PendingStep, Runner
 from services.engine.scheduling.block_pool import BlockPoolStats, KVEvent
 from services.engine.scheduling.request import Request, RequestStatus
-from services.engine.scheduling.scheduler import PendingToken, Scheduler, StepUpdate
+from services.engine.scheduling.scheduler import FetchedKV, PendingToken, Scheduler, StepUpdate
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -406,10 +406,17 @@ class EngineCore:
 
     # -- the KV tiers below the pool --------------------------------------------------------------
 
-    def write_through(self, on_finish: Callable[[Request], None], close: Callable[[], None]) -> None:
-        """Hand every request that leaves the scheduler (but an aborted one) to `on_finish` before its
-        blocks go back (engine/kv_tiers.py copies its segments out); `close` runs at `close`."""
+    def use_tiers(
+        self,
+        on_finish: Callable[[Request], None],
+        fetch_below: Callable[[Request, int], FetchedKV | None],
+        close: Callable[[], None],
+    ) -> None:
+        """Use the KV tiers below the pool (engine/kv_tiers.py): every request that leaves the scheduler
+        (but an aborted one) goes to `on_finish` before its blocks go back; at admission `fetch_below` may
+        supply KV for the tokens after the pool's own prefix hit; `close` runs at `close`."""
         self.scheduler.on_finish = on_finish
+        self.scheduler.fetch_below = fetch_below
         self._close_tiers = close
 
     def close(self) -> None:

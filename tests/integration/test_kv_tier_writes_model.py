@@ -1,8 +1,10 @@
-"""The real model writes through to the disk tier when `kv_tiers.disk_path` is set (the factory's wiring),
-and each stored segment holds exactly the KV the engine computed for those tokens."""
+"""The real model and the disk tier (the factory's wiring, `kv_tiers.disk_path`): each stored segment holds
+exactly the KV the engine computed for those tokens, and a fresh engine that reads them back answers with
+the same greedy tokens."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from services.common.sampling import SamplingParams
 from services.engine.loading.factory import build_core
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import Namespace, decode, segment_key
-from tests.engine_helpers import run_to_completion
+from tests.engine_helpers import drain, run_to_completion
+from tests.integration.test_engine_identity import FIXTURE, assert_matches, submit
 
 pytestmark = pytest.mark.model
 
@@ -60,3 +63,44 @@ def test_a_finished_request_is_written_through_with_its_exact_kv(model_dir: Path
         got = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(want.shape)
         assert torch.equal(got, want)
     assert len(list(tmp_path.rglob("*.kvs"))) == 2
+
+
+def test_a_restarted_worker_reads_its_prefixes_back_from_disk_with_the_same_greedy_tokens(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Token identity through the disk tier: the fixture's two shortest prompts past 500 tokens, answered
+    by an engine that wrote them through, then by a fresh one (a restart: an empty pool, the same disk)
+    that reads them back."""
+    fixture = json.loads(FIXTURE.read_text())
+    long_cases = sorted(
+        (c for c in fixture["cases"] if len(c["prompt_token_ids"]) >= 500),
+        key=lambda c: len(c["prompt_token_ids"]),
+    )
+    cases = long_cases[:2]  # the two shortest past 500 tokens: a segment each, and a test of seconds
+    assert len(cases) == 2
+    num_tokens = fixture["num_new_tokens"]
+    cfg = load_config(None, env={})
+    cfg = cfg.model_copy(
+        update={
+            "model": cfg.model.model_copy(
+                update={"path": str(model_dir), "dtype": "float32", "weights": "safetensors"}
+            ),
+            "kv_tiers": cfg.kv_tiers.model_copy(update={"disk_path": str(tmp_path)}),
+        }
+    )
+    first = build_core(cfg)
+    submit(first, cases, "cold", num_tokens)
+    cold = run_to_completion(first)
+    first.close()
+    second = build_core(cfg)
+    submit(second, cases, "warm", num_tokens)
+    outputs = drain(second)
+    warm: dict[str, list[int]] = {}
+    for output in outputs:
+        warm.setdefault(output.request_id, []).extend(output.new_token_ids)
+    for case in cases:
+        assert_matches(case, cold[f"cold/{case['name']}"])
+        assert_matches(case, warm[f"warm/{case['name']}"])
+    cached = {o.request_id: o.num_cached_tokens for o in outputs if o.finish_reason is not None}
+    assert all(cached[f"warm/{c['name']}"] >= 256 for c in cases), cached  # at least a segment each
+    second.close()

@@ -1,5 +1,6 @@
-"""Writing through to the KV tiers (services/engine/kv_tiers.py): as a request leaves, every full segment of
-what it computed goes to the tiers, under its tenant, holding exactly its KV. A fake runner stands in for
+"""Writing through to the KV tiers and reading back (services/engine/kv_tiers.py): as a request leaves,
+every full segment of what it computed goes to the tiers, under its tenant, holding exactly its KV; a fresh
+engine admitting the same prefix reads it back instead of recomputing. A fake runner stands in for
 the model: its KV holds each slot's token ID (K) and position (V), so a segment's bytes say which tokens
 they are the KV of."""
 
@@ -12,7 +13,7 @@ import torch
 from services.common.block_hash import hash_token_blocks
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
-from services.engine.kv_tiers import SegmentWrites
+from services.engine.kv_tiers import SegmentReads, SegmentWrites
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import Namespace, SegmentMiss, decode, segment_key
 from services.kvcache.tier_set import SegmentWriter, TierSet
@@ -32,7 +33,7 @@ def engine_writing_to(tmp_path: Path) -> tuple[EngineCore, DiskTier, SegmentWrit
     disk = DiskTier(tmp_path, 1 << 30)
     writer = SegmentWriter(TierSet([disk]))
     writes = SegmentWrites(NS, SEGMENT, writer, engine.runner.read_kv)
-    engine.write_through(writes.on_finish, writes.close)
+    engine.use_tiers(writes.on_finish, lambda request, num_cached: None, writes.close)
     return engine, disk, writer
 
 
@@ -107,3 +108,50 @@ def test_an_aborted_request_and_a_repeated_segment_are_not_written(tmp_path: Pat
     assert writer.wait_idle(10)
     assert len(list(tmp_path.rglob("*.kvs"))) == 2
     engine.close()
+
+
+def engine_with_tiers(tmp_path: Path) -> tuple[EngineCore, SegmentWriter, SegmentReads]:
+    """A fresh engine reading from and writing to the disk tier at `tmp_path`."""
+    engine = make_fake_engine(kv_cache_memory_mb=4, block_size=BLOCK)
+    tiers = TierSet([DiskTier(tmp_path, 1 << 30)])
+    writer = SegmentWriter(tiers)
+    writes = SegmentWrites(NS, SEGMENT, writer, engine.runner.read_kv)
+    reads = SegmentReads(NS, SEGMENT, tiers, engine.runner.write_kv, 10.0, torch.device("cpu"))
+    engine.use_tiers(writes.on_finish, reads.fetch_below, writes.close)
+    return engine, writer, reads
+
+
+def answer(engine: EngineCore, request_id: str, prompt: list[int], salt: bytes) -> tuple[list[int], int]:
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # a function of the KV read
+    engine.add_request(request_id, prompt, greedy, cache_salt=salt)
+    outputs = drain(engine)
+    return [o.new_token_ids[0] for o in outputs], outputs[-1].num_cached_tokens
+
+
+def test_a_fresh_engine_reads_a_prefix_back_and_answers_the_same(tmp_path: Path) -> None:
+    first, _, _ = engine_with_tiers(tmp_path)
+    prompt = [(5 * i) % 100 + 2 for i in range(70)]
+    cold_tokens, cold_cached = answer(first, "a", prompt, b"tenant-a")
+    first.close()
+    assert cold_cached == 0
+    second, _, reads = engine_with_tiers(tmp_path)  # a restarted worker: an empty pool, the same disk
+    tokens, cached = answer(second, "b", prompt, b"tenant-a")
+    assert cached == 64  # two segments; the one holding the last prompt token is recomputed
+    assert reads.num_tokens_fetched == 64
+    assert tokens == cold_tokens  # the fake samples from the KV it reads: every loaded slot was right
+    second.check_invariants()
+    other, _, _ = engine_with_tiers(tmp_path)
+    assert answer(other, "c", prompt, b"tenant-b")[1] == 0  # another tenant reads nothing
+
+
+def test_a_local_hit_inside_a_segment_takes_only_the_rest_from_below(tmp_path: Path) -> None:
+    first, _, _ = engine_with_tiers(tmp_path)
+    prompt = [(3 * i) % 100 + 2 for i in range(70)]
+    cold_tokens, _ = answer(first, "a", prompt, b"")
+    first.close()
+    second, _, reads = engine_with_tiers(tmp_path)
+    answer(second, "warm", prompt[:20], b"")  # 16 tokens of the first segment now in the pool
+    fetched_before = reads.num_tokens_fetched
+    tokens, cached = answer(second, "b", prompt, b"")
+    assert cached == 64 and reads.num_tokens_fetched - fetched_before == 48
+    assert tokens == cold_tokens

@@ -27,7 +27,7 @@ from services.common.sampling import MAX_LOGPROBS, SamplingParams
 from services.engine.core import EngineCore, ServedWeights
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
 from services.engine.kv_export import dtype_name
-from services.engine.kv_tiers import SegmentWrites, build_tiers
+from services.engine.kv_tiers import SegmentReads, SegmentWrites, build_tiers
 from services.engine.layers.attention_backend import PagedAttention, TorchAttention
 from services.engine.layers.attention_metadata import RowSpec, build_metadata, to_device
 from services.engine.layers.grammar_matchers import GrammarMatchers
@@ -227,17 +227,17 @@ def build_core_from_loaded(
         grammars=grammars,
         served=served_weights(loaded),
     )
-    if config.kv_tiers.is_enabled:
-        writes = SegmentWrites(
-            tier_namespace(loaded, engine.block_size),
-            config.kv_tiers.segment_tokens,
-            SegmentWriter(
-                build_tiers(config.kv_tiers, dict(os.environ)),
-                bytes_per_s=config.kv_tiers.write_mb_per_s * 1e6,
-            ),
-            core.runner.read_kv,
+    tiers = config.kv_tiers
+    if tiers.is_enabled:
+        tier_set = build_tiers(tiers, dict(os.environ))
+        namespace = tier_namespace(loaded, engine.block_size)
+        writer = SegmentWriter(tier_set, bytes_per_s=tiers.write_mb_per_s * 1e6)
+        writes = SegmentWrites(namespace, tiers.segment_tokens, writer, core.runner.read_kv)
+        deadline_s = tiers.fetch_deadline_ms / 1000
+        reads = SegmentReads(
+            namespace, tiers.segment_tokens, tier_set, core.runner.write_kv, deadline_s, device
         )
-        core.write_through(writes.on_finish, writes.close)
+        core.use_tiers(writes.on_finish, reads.fetch_below, writes.close)
     return core
 
 

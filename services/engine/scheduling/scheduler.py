@@ -20,6 +20,7 @@ import bisect
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.common.outputs import FinishReason, TokenLogprob
 from services.engine.scheduling.block_pool import NO_BLOCK
@@ -68,6 +69,16 @@ class SchedulerOutput:
         return not self.chunks
 
 
+class FetchedKV(Protocol):
+    """KV for `num_tokens` tokens after a request's cached prefix, found below the pool."""
+
+    num_tokens: int
+
+    def place(self, block_ids: list[int], start: int) -> None:
+        """Write the KV into the request's blocks at positions start.. ."""
+        ...
+
+
 @dataclass
 class Scheduler:
     kv: KVCacheManager
@@ -81,6 +92,10 @@ class Scheduler:
     # Called with each request that leaves through `finish` other than by an abort, before its blocks go
     # back to the pool (the KV tiers copy its segments out: engine/kv_tiers.py).
     on_finish: Callable[[Request], None] | None = None
+    # Asked at admission, past the pool's own prefix hit (in tokens): KV found in the tiers below the pool
+    # for the tokens after it (engine/kv_tiers.py), or None. Its blocks are allocated with the request's
+    # and placed before its first chunk is sized; they cost no compute budget.
+    fetch_below: Callable[[Request, int], FetchedKV | None] | None = None
     # Seconds each newly admitted request waited since arrival, until `take_queue_times`.
     _queue_times: list[float] = field(default_factory=list, init=False)
 
@@ -185,9 +200,16 @@ class Scheduler:
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
-            if not self.kv.admit(request, cached, num_new):
+            below = self.fetch_below(request, num_cached_tokens) if self.fetch_below is not None else None
+            num_below = below.num_tokens if below is not None else 0
+            num_new = min(request.num_tokens - num_cached_tokens - num_below, budget)
+            if not self.kv.admit(request, cached, num_below + num_new):
                 return  # admission is bounded by KV memory; keep FCFS order
+            if below is not None:
+                below.place(request.block_ids, num_cached_tokens)
+                request.num_computed_tokens += num_below
+                self.kv.commit(request)
+                num_cached_tokens += num_below
             if request.record_admission(num_cached_tokens):
                 self._queue_times.append(time.monotonic() - request.arrival_time)
             self.waiting.remove(request)
