@@ -343,6 +343,11 @@ def _cross_field_problems(cfg: KvrelayConfig) -> list[str]:
             f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens}) is below "
             f"engine.block_size ({engine.block_size}): a step could not fill even one block"
         )
+    if cfg.kv_tiers.is_enabled and cfg.kv_tiers.segment_tokens % engine.block_size:
+        problems.append(
+            f"kv_tiers.segment_tokens ({cfg.kv_tiers.segment_tokens}) is not a multiple of "
+            f"engine.block_size ({engine.block_size}): a segment is whole blocks"
+        )
     if engine.max_model_len is not None and limits.max_output_tokens >= engine.max_model_len:
         problems.append(
             f"limits.max_output_tokens ({limits.max_output_tokens}) must be below "

@@ -11,7 +11,6 @@ from __future__ import annotations
 from services.common.engine_input import (
     EngineInput,
     check_request,
-    check_request_id,
 )
 from services.common.errors import (
     InvalidRequestError,
@@ -97,10 +96,6 @@ def engine_input_from_proto(
         priority=request.priority,
         cache_salt=bytes(request.cache_salt),
     )
-
-
-def request_id_from_proto(request_id: str) -> str:
-    return check_request_id(request_id)
 
 
 def session_key_from_proto(session_key: str) -> str:

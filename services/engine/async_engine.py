@@ -187,7 +187,7 @@ class AsyncEngine:
         request = check_request(
             request_id, prompt_token_ids, params, self.vocab_size, priority=priority, cache_salt=cache_salt
         )
-        self._refuse_open_id(request_id)
+        check_unique(request_id, self._streams)  # never take over a running request's stream
         async for item in self.generate_checked(request, export_kv_from=export_kv_from):
             yield item
 
@@ -256,9 +256,6 @@ class AsyncEngine:
         """Forget a reserved request that the prefill replica's first token finished (not an abort)."""
         self._streams.pop(request_id, None)
         self._submit(lambda: self.core.end_reserved(request_id, reason))
-
-    def _refuse_open_id(self, request_id: str) -> None:
-        check_unique(request_id, self._streams)  # never take over a running request's stream
 
     def _open(self, request_id: str) -> _Stream:
         if self._error is not None:

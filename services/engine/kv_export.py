@@ -18,6 +18,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# The KV dtypes by those names: what a peer's KV layout or a stored segment may say.
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass(frozen=True)
 class KVExport:
     """The KV of prompt positions start_token.. of one request, every layer: what a prefill replica ships."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from services.common.config import KvTiersConfig
-from services.common.errors import ConfigError
+from services.engine.kv_export import KV_DTYPES
 from services.engine.scheduling.block_pool import NO_BLOCK
 from services.engine.scheduling.request import Request
 from services.kvcache.disk_tier import DiskTier
@@ -48,38 +48,28 @@ class SegmentWrites:
     def __init__(
         self, namespace: Namespace, segment_tokens: int, writer: SegmentWriter, read_kv: ReadKV
     ) -> None:
-        if segment_tokens % namespace.block_size:
-            raise ConfigError(
-                f"kv_tiers.segment_tokens ({segment_tokens}) must be a multiple of engine.block_size "
-                f"({namespace.block_size})"
-            )
         self.namespace = namespace
         self.segment_tokens = segment_tokens
         self.writer = writer
         self.read_kv = read_kv
-        self.num_segments_queued = 0
 
     def on_finish(self, request: Request) -> None:
         block_size, size = self.namespace.block_size, self.segment_tokens
         num_committed_tokens = min(request.num_committed_blocks, len(request.block_hashes)) * block_size
         for start in range(0, num_committed_tokens - size + 1, size):
-            first, last = start // block_size, (start + size) // block_size
-            if NO_BLOCK in request.block_ids[first:last]:
+            blocks = _blocks_of(start, size, block_size)
+            if NO_BLOCK in request.block_ids[blocks]:
                 continue  # freed below a sliding window
-            hashes = request.block_hashes[first:last]
+            hashes = request.block_hashes[blocks]
             key = segment_key(self.namespace, request.cache_salt, hashes[-1])
             if self.writer.knows(key):
                 continue
             kv = self.read_kv(request.block_ids, start, start + size)  # [L, size, 2, H, D], a copy
             value = partial(_value, self.namespace, request.cache_salt, start, hashes, kv)
-            if self.writer.submit(key, size * self.namespace.bytes_per_token, value):
-                self.num_segments_queued += 1
+            self.writer.submit(key, size * self.namespace.bytes_per_token, value)
 
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _Fetched:
@@ -123,10 +113,7 @@ class SegmentReads:
         )
         if first >= end:
             return None
-        spans = [
-            request.block_hashes[s * size // block_size : (s + 1) * size // block_size]
-            for s in range(first, end)
-        ]
+        spans = [request.block_hashes[_blocks_of(s * size, size, block_size)] for s in range(first, end)]
         keys = [segment_key(self.namespace, request.cache_salt, hashes[-1]) for hashes in spans]
 
         def check(index: int, value: bytes) -> bytes:
@@ -137,11 +124,16 @@ class SegmentReads:
         if not payloads:
             return None
         shape = (self.namespace.num_layers, size, 2, self.namespace.num_kv_heads, self.namespace.head_dim)
-        dtype = _DTYPES[self.namespace.kv_dtype]
+        dtype = KV_DTYPES[self.namespace.kv_dtype]
         kv = torch.cat([torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in payloads], dim=1)
         kv = kv[:, num_cached_tokens - first * size :]  # the pool already holds the segment's first blocks
         self.num_tokens_fetched += kv.shape[1]
         return _Fetched(kv.to(self.device), self.write_kv)
+
+
+def _blocks_of(start: int, size: int, block_size: int) -> slice:
+    """The block indices of the segment of `size` tokens starting at token `start`."""
+    return slice(start // block_size, (start + size) // block_size)
 
 
 def _value(

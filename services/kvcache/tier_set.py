@@ -87,6 +87,10 @@ class TierSet:
             return payload
         return None
 
+    def count_dropped_write(self, reason: str) -> None:
+        with self._lock:
+            self.stats.writes_dropped[reason] += 1
+
     def put(self, key: str, value: bytes) -> None:
         """Store `value` in every tier that lacks it (on the caller's thread: the writer's)."""
         for tier in self.tiers:
@@ -194,8 +198,7 @@ class SegmentWriter:
             self._written.popitem(last=False)
 
     def _drop(self, reason: str) -> None:
-        with self.tiers._lock:
-            self.tiers.stats.writes_dropped[reason] += 1
+        self.tiers.count_dropped_write(reason)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

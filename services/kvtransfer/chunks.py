@@ -22,12 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.kv_export import KVExport, dtype_name
+from services.engine.kv_export import KV_DTYPES, KVExport, dtype_name
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 
 TARGET_CHUNK_BYTES = 1 << 20
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KVTransferFault(Exception):
@@ -60,10 +58,12 @@ class Layout:
 
     @classmethod
     def from_proto(cls, msg: kvpb.KVLayout) -> Layout:
-        if msg.dtype not in DTYPES:
+        if msg.dtype not in KV_DTYPES:
             raise KVTransferFault(f"unknown KV dtype {msg.dtype!r}")
         device = msg.device or "cpu"
-        return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, DTYPES[msg.dtype], msg.block_size, device)
+        return cls(
+            msg.num_layers, msg.num_kv_heads, msg.head_dim, KV_DTYPES[msg.dtype], msg.block_size, device
+        )
 
 
 def tokens_per_chunk(layout: Layout, target_bytes: int = TARGET_CHUNK_BYTES) -> int:

@@ -26,11 +26,11 @@ from opentelemetry.trace import Span, SpanKind
 
 from services.common import tracing
 from services.common.config import DisaggregationConfig, RouterConfig
-from services.common.engine_input import check_unique
+from services.common.engine_input import check_request_id, check_unique
 from services.common.errors import DuplicateRequestError, InvalidRequestError
 from services.common.grpc_auth import request_id_of
 from services.common.grpc_server import abort_for
-from services.common.proto_convert import request_id_from_proto, session_key_from_proto
+from services.common.proto_convert import session_key_from_proto
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.disaggregation import Decision, TransferModel, decide
@@ -186,7 +186,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         here (ALREADY_EXISTS) before routing: the running request keeps its stream and its replica."""
         self.requests_total += 1
         try:
-            request_id = request_id_from_proto(request.request_id or request_id_of(context))
+            request_id = check_request_id(request.request_id or request_id_of(context))
             session_key_from_proto(request.session_key)
             check_unique(request_id, self.in_flight)
         except (InvalidRequestError, DuplicateRequestError) as exc:

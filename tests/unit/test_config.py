@@ -146,6 +146,10 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
             "engine.max_num_batched_tokens (32) is below engine.block_size (64)",
         ),
         (
+            "kv_tiers:\n  disk_path: /tmp/kv\n  segment_tokens: 40\n",
+            "kv_tiers.segment_tokens (40) is not a multiple of engine.block_size (16)",
+        ),
+        (
             "engine:\n  max_model_len: 1024\n",
             "limits.max_output_tokens (1024) must be below engine.max_model_len (1024)",
         ),

@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 import torch
 
+from services.engine.kv_export import KV_DTYPES as DTYPES
 from services.engine.kv_export import KVExport
 from services.kvtransfer import pair_groups
-from services.kvtransfer.chunks import DTYPES, KVAssembler, KVTransferFault, Layout, num_chunks
+from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, num_chunks
 from services.kvtransfer.torch_transport import TorchReceiver, TorchSender
 from services.kvtransfer.transport import GrpcReceiver, GrpcSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
