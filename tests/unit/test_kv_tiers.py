@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,17 +127,16 @@ def test_a_stopped_shared_tier_is_unavailable_not_an_error() -> None:
         tier.put(key(1), b"x")
 
 
-def test_a_shared_tier_that_accepts_but_never_answers_costs_one_timeout() -> None:
+def test_a_shared_tier_that_accepts_but_never_answers_ends_at_its_timeout() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
     tier = RedisTier.from_url(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", ttl_s=60, timeout_s=0.3)
-    started = time.monotonic()
-    with pytest.raises(TierUnavailable):
+    with pytest.raises(TierUnavailable) as raised:
         tier.get(key(1))
-    assert time.monotonic() - started < 5  # bounded by the socket timeout, never a hang
+    assert isinstance(raised.value.__cause__, redis.TimeoutError)  # ended by the socket timeout, not a hang
     listener.close()
     for conn in accepted:
         conn.close()
