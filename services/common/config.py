@@ -230,9 +230,9 @@ class DisaggregationConfig(_Section):
 
 
 class KvTiersConfig(_Section):
-    """The KV tiers below each worker's pool (docs/kv-tiers.md); off while neither `disk_path` nor
-    `shared_url` is set. The shared tier's password comes from the environment (KVRELAY_KV_TIERS_PASSWORD),
-    never from this file."""
+    """The KV tiers below each worker's pool (docs/kv-tiers.md); off while no `host_capacity_mb`,
+    `disk_path` or `shared_url` is set. The shared tier's password comes from the environment
+    (KVRELAY_KV_TIERS_PASSWORD), never from this file."""
 
     disk_path: str | None = Field(default=None, min_length=1)  # a node directory, shared by its workers
     disk_capacity_mb: int = Field(default=10_240, gt=0)
@@ -242,10 +242,12 @@ class KvTiersConfig(_Section):
     timeout_ms: int = Field(default=200, gt=0)  # any one call to the shared tier
     fetch_deadline_ms: int = Field(default=1000, gt=0)  # a request's whole lookup; past it, recompute
     write_mb_per_s: float = Field(default=256.0, gt=0)  # beyond it, writes are dropped (and counted)
+    host_capacity_mb: int = Field(default=0, ge=0)  # the worker's memory tier; 0: none
+    tenant_capacity_mb: int = Field(default=0, ge=0)  # each tenant's bytes in the shared tier; 0: no cap
 
     @property
     def is_enabled(self) -> bool:
-        return self.disk_path is not None or self.shared_url is not None
+        return self.disk_path is not None or self.shared_url is not None or self.host_capacity_mb > 0
 
 
 class RouterConfig(_Section):

@@ -112,6 +112,7 @@ class AsyncEngine:
         self._stats = core.stats()
         self._undelivered: list[RequestOutput] = []
         core.set_before_forward(self._deliver_outputs)
+        core.set_wake(self._wake.set)  # a tier lookup ended: its request may be admitted now
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
@@ -375,6 +376,11 @@ class AsyncEngine:
                 self._stats = self.core.stats()
                 self._deliver_outputs()  # a step that ran no forward (or a first step) leaves some
                 self._undelivered = outputs  # handed out just before the next forward, or when idle
+                if self.core.is_stalled() and not outputs:
+                    # Nothing could run (waiting for tier lookups, or for KV room): sleep until a
+                    # command or a lookup wakes the loop, not in a spin.
+                    self._wake.wait(0.05)
+                    self._wake.clear()
         except BaseException as exc:
             log.exception("engine loop stopped")
             self._error = exc

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -41,7 +41,14 @@ from services.engine.model_config import ModelConfig
 from services.engine.runner_protocol import PendingStep, Runner
 from services.engine.scheduling.block_pool import BlockPoolStats, KVEvent
 from services.engine.scheduling.request import Request, RequestStatus
-from services.engine.scheduling.scheduler import FetchedKV, PendingToken, Scheduler, StepUpdate
+from services.engine.scheduling.scheduler import (
+    BelowPool,
+    PendingToken,
+    Scheduler,
+    SchedulerOutput,
+    StepUpdate,
+)
+from services.kvcache.tier_set import TierReport
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -81,6 +88,18 @@ class _InFlight:
         return any(t.request.params.has_penalties or t.request.matcher is not None for t in self.tokens)
 
 
+class TiersBelow(BelowPool, Protocol):
+    """The KV tiers below the pool as the core drives them (engine/kv_tiers.py KVTiers)."""
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None: ...
+
+    def set_wake(self, wake: Callable[[], None] | None) -> None: ...
+
+    def report(self) -> TierReport: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -94,6 +113,7 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled here, every request and sample together
     # Steps by the path the model's layers took (models/llama.py STEP_PATHS); empty for a family with one
     steps_by_path: dict[str, int] = field(default_factory=dict)
+    tiers: TierReport | None = None  # the KV tiers below the pool, when there are any
 
 
 @dataclass(frozen=True)
@@ -142,7 +162,8 @@ class EngineCore:
         self.grammars = grammars
         self.served = served or ServedWeights("safetensors", 0)
         self._in_flight: _InFlight | None = None
-        self._close_tiers: Callable[[], None] | None = None
+        self.tiers: TiersBelow | None = None
+        self._stalled = False
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -351,17 +372,30 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.overlap:
-            return self._overlapped_step()
+        num_steps = self.num_steps
+        try:
+            return self._overlapped_step() if self.overlap else self._plain_step()
+        finally:
+            self._stalled = self.num_steps == num_steps and self._in_flight is None
+
+    def is_stalled(self) -> bool:
+        """Whether the last `step` had work but could run none of it: its waiting requests cannot be
+        admitted yet (tier lookups still running, no KV room) and nothing else runs."""
+        return self._stalled
+
+    def _plain_step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if step.is_empty:
             return []
+        started = time.perf_counter()
         result = self.runner.execute(step)
+        self._observe_step(step, time.perf_counter() - started)
         self.num_steps += 1
         return self._outputs(self.scheduler.update(step, result.sampled))
 
     def _overlapped_step(self) -> list[RequestOutput]:
         """Launch step t+1, then read back step t (the one launched by the previous call)."""
+        started = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         outputs = []
         if previous is not None and previous.needs_tokens_on_host:
@@ -371,7 +405,14 @@ class EngineCore:
             pending = self.runner.launch(step)
             self.num_steps += 1
             self._in_flight = _InFlight(pending, self.scheduler.advance(step))
-        return outputs + (self._collect(previous) if previous is not None else [])
+        outputs += self._collect(previous) if previous is not None else []
+        if not step.is_empty:  # about one step's time: this call waited for the one before
+            self._observe_step(step, time.perf_counter() - started)
+        return outputs
+
+    def _observe_step(self, step: SchedulerOutput, seconds: float) -> None:
+        if self.tiers is not None:
+            self.tiers.observe_step(step.num_batched_tokens, seconds)
 
     def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
         sampled = in_flight.pending.collect().sampled
@@ -406,24 +447,23 @@ class EngineCore:
 
     # -- the KV tiers below the pool --------------------------------------------------------------
 
-    def use_tiers(
-        self,
-        on_finish: Callable[[Request], None],
-        fetch_below: Callable[[Request, int], FetchedKV | None],
-        close: Callable[[], None],
-    ) -> None:
-        """Use the KV tiers below the pool (engine/kv_tiers.py): every request that leaves the scheduler
-        (but an aborted one) goes to `on_finish` before its blocks go back; at admission `fetch_below` may
-        supply KV for the tokens after the pool's own prefix hit; `close` runs at `close`."""
-        self.scheduler.on_finish = on_finish
-        self.scheduler.fetch_below = fetch_below
-        self._close_tiers = close
+    def use_tiers(self, tiers: TiersBelow) -> None:
+        """Use the KV tiers below the pool (engine/kv_tiers.py): the scheduler looks up each new request
+        there and shows them each one that leaves; every step's size and time feed their cost model."""
+        self.scheduler.below = tiers
+        self.tiers = tiers
+
+    def set_wake(self, wake: Callable[[], None] | None) -> None:
+        """Call `wake` (from any thread) when something this engine waits on outside a step is ready: a
+        tier lookup that ended. The driver may sleep until then when a step ran nothing."""
+        if self.tiers is not None:
+            self.tiers.set_wake(wake)
 
     def close(self) -> None:
         """Let queued tier writes finish (bounded); the engine is not stepped after this."""
-        if self._close_tiers is not None:
-            self._close_tiers()
-            self._close_tiers = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
     # -- the prefix cache, metrics and checks -----------------------------------------------------
 
@@ -459,6 +499,7 @@ class EngineCore:
             num_aborted=self.num_aborted,
             num_generated_tokens=self.scheduler.num_generated_tokens,
             steps_by_path=dict(getattr(getattr(self.runner, "model", None), "num_steps_by_path", {})),
+            tiers=self.tiers.report() if self.tiers is not None else None,
         )
 
     def check_invariants(self) -> None:

@@ -9,11 +9,13 @@ prompt holds this turn's prompt and output, finds the same keys. Not copied: a s
 blocks committed to the prefix cache (the last sampled token has no KV yet), one whose blocks a sliding
 window freed, and one the writer queued lately (under this namespace and tenant, the same bytes).
 
-Reading back (`SegmentReads`, the scheduler's `fetch_below`): when a request is admitted, the segments after
-the pool's own prefix hit are looked up in the tiers, fastest first, up to the first one missing or the
-deadline, and never the segment holding the prompt's last token (it is recomputed for its logits). Their KV
-goes into the request's new blocks before its first chunk, which then starts after them. For now the lookup
-runs on the engine thread, bounded by `timeout_s` (a tier's own timeout bounds each call).
+Reading back (`SegmentReads`): when a request arrives (`Scheduler.add`), the segments after the pool's
+own prefix hit are looked up on a lookup thread, never the engine's: in the tiers, fastest first, each
+asked only while the cost model (kvcache/costs.py) expects it to beat recomputing, up to the first segment
+missing, or the deadline, and never the segment holding the prompt's last token (it is recomputed for its
+logits). Meanwhile the scheduler admits others; the request waits until its lookup ends or its deadline
+passes (then it recomputes, and the lookup's result is dropped). At admission its KV goes into the
+request's new blocks before its first chunk, which then starts after them.
 """
 
 from __future__ import annotations
@@ -21,19 +23,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from services.common.config import KvTiersConfig
+from services.common.outputs import FinishReason
 from services.engine.kv_export import KV_DTYPES
 from services.engine.scheduling.block_pool import NO_BLOCK
-from services.engine.scheduling.request import Request
+from services.engine.scheduling.request import Request, SeqId
 from services.kvcache.disk_tier import DiskTier
+from services.kvcache.host_tier import HostTier
 from services.kvcache.segment import Namespace, decode, encode, segment_key
 from services.kvcache.tier import Tier
-from services.kvcache.tier_set import SegmentWriter, TierSet
+from services.kvcache.tier_set import SegmentSize, SegmentWriter, TierReport, TierSet
 
 log = logging.getLogger(__name__)
 PASSWORD_ENV = "KVRELAY_KV_TIERS_PASSWORD"
@@ -73,19 +79,28 @@ class SegmentWrites:
 
 
 class _Fetched:
-    """KV found below the pool for `num_tokens` tokens, ready to be placed into a request's blocks."""
+    """KV found below the pool for `num_tokens` tokens, placed into a request's blocks at admission."""
 
-    def __init__(self, kv: torch.Tensor, write_kv: WriteKV) -> None:
-        self.kv = kv  # [num_layers, num_tokens, 2, num_kv_heads, head_dim]
+    def __init__(self, reads: SegmentReads, seq_id: SeqId, kv: torch.Tensor) -> None:
+        self.reads = reads
+        self.seq_id = seq_id
+        self.kv = kv  # [num_layers, num_tokens, 2, num_kv_heads, head_dim], on the host
         self.num_tokens = kv.shape[1]
-        self.write_kv = write_kv
 
     def place(self, block_ids: list[int], start: int) -> None:
-        self.write_kv(block_ids, start, self.kv)
+        self.reads.placed(self.seq_id, self.num_tokens)
+        self.reads.write_kv(block_ids, start, self.kv.to(self.reads.device))
+
+
+@dataclass
+class _Lookup:
+    first: int  # the index of the first segment asked for
+    future: Future[torch.Tensor | None]  # the KV of the run found, from the first segment's first token
+    deadline: float  # on time.monotonic()
 
 
 class SegmentReads:
-    """What `Scheduler.fetch_below` calls: the segments after a request's cached prefix, from the tiers."""
+    """What `Scheduler` asks at a request's arrival (`look`) and admission (`is_looking`, `found`)."""
 
     def __init__(
         self,
@@ -95,6 +110,7 @@ class SegmentReads:
         write_kv: WriteKV,
         timeout_s: float,
         device: torch.device,
+        num_threads: int = 2,
     ) -> None:
         self.namespace = namespace
         self.segment_tokens = segment_tokens
@@ -102,33 +118,125 @@ class SegmentReads:
         self.write_kv = write_kv
         self.timeout_s = timeout_s
         self.device = device
-        self.num_tokens_fetched = 0
+        self.on_ready: Callable[[], None] | None = None  # called on a lookup thread as each lookup ends
+        self._lookups: dict[SeqId, _Lookup] = {}
+        self._threads = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-tier-lookup")
 
-    def fetch_below(self, request: Request, num_cached_tokens: int) -> _Fetched | None:
+    @property
+    def num_tokens_fetched(self) -> int:
+        return self.tiers.report().stats.fetched_tokens
+
+    def look(self, request: Request, num_cached_tokens: int) -> None:
+        """Start looking up the segments after the pool's hit of `num_cached_tokens` (engine thread)."""
         size, block_size = self.segment_tokens, self.namespace.block_size
         num_cacheable = (request.num_tokens - 1) // block_size * block_size  # the last token is recomputed
-        first, end = (
-            num_cached_tokens // size,
-            min(num_cacheable, len(request.block_hashes) * block_size) // size,
-        )
+        first = num_cached_tokens // size
+        end = min(num_cacheable, len(request.block_hashes) * block_size) // size
         if first >= end:
-            return None
+            return
         spans = [request.block_hashes[_blocks_of(s * size, size, block_size)] for s in range(first, end)]
-        keys = [segment_key(self.namespace, request.cache_salt, hashes[-1]) for hashes in spans]
+        deadline = time.monotonic() + self.timeout_s
+        future = self._threads.submit(self._fetch, request.cache_salt, first, spans, deadline)
+        self._lookups[request.seq_id] = _Lookup(first, future, deadline)
+        if self.on_ready is not None:
+            on_ready = self.on_ready
+            future.add_done_callback(lambda _: on_ready())
+
+    def is_looking(self, request: Request) -> bool:
+        """Whether the request's lookup is still running, within its deadline."""
+        lookup = self._lookups.get(request.seq_id)
+        return lookup is not None and not lookup.future.done() and time.monotonic() < lookup.deadline
+
+    def found(self, request: Request, num_cached_tokens: int) -> _Fetched | None:
+        """The KV its ended lookup found for the tokens after the pool's hit of `num_cached_tokens` now,
+        kept until `place`d (an admission that fails for room tries again with it); None: recompute."""
+        lookup = self._lookups.get(request.seq_id)
+        if lookup is None:
+            return None
+        if not lookup.future.done():  # past its deadline
+            self.forget(request)
+            self.tiers.count_lookup(0, late=True)
+            return None
+        kv = lookup.future.result()
+        skip = num_cached_tokens - lookup.first * self.segment_tokens
+        if kv is None or not 0 <= skip < kv.shape[1]:  # nothing found, or the pool's hit moved past it
+            self.forget(request)
+            return None
+        return _Fetched(self, request.seq_id, kv[:, skip:])
+
+    def placed(self, seq_id: SeqId, num_tokens: int) -> None:
+        self._lookups.pop(seq_id, None)
+        self.tiers.count_lookup(num_tokens, late=False)
+
+    def forget(self, request: Request) -> None:
+        """Drop the request's lookup (it left, or used it); a running one ends on its own, unread."""
+        lookup = self._lookups.pop(request.seq_id, None)
+        if lookup is not None:
+            lookup.future.cancel()
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _fetch(
+        self, cache_salt: bytes, first: int, spans: list[list[bytes]], deadline: float
+    ) -> torch.Tensor | None:
+        """On a lookup thread: the KV of the longest run of the segments found, or None."""
+        size = self.segment_tokens
+        keys = [segment_key(self.namespace, cache_salt, hashes[-1]) for hashes in spans]
 
         def check(index: int, value: bytes) -> bytes:
-            start = (first + index) * size
-            return decode(value, self.namespace, request.cache_salt, start, spans[index])
+            return decode(value, self.namespace, cache_salt, (first + index) * size, spans[index])
 
-        payloads = self.tiers.fetch(keys, check, time.monotonic() + self.timeout_s)
-        if not payloads:
+        try:
+            weight = SegmentSize(size * self.namespace.bytes_per_token, size)
+            payloads = self.tiers.fetch(keys, check, deadline, weight)
+            if not payloads:
+                return None
+            shape = (self.namespace.num_layers, size, 2, self.namespace.num_kv_heads, self.namespace.head_dim)
+            dtype = KV_DTYPES[self.namespace.kv_dtype]
+            return torch.cat(
+                [torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in payloads], dim=1
+            )
+        except Exception:  # a lookup is an optimisation: the request recomputes
+            log.exception("kv tier lookup failed")
             return None
-        shape = (self.namespace.num_layers, size, 2, self.namespace.num_kv_heads, self.namespace.head_dim)
-        dtype = KV_DTYPES[self.namespace.kv_dtype]
-        kv = torch.cat([torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in payloads], dim=1)
-        kv = kv[:, num_cached_tokens - first * size :]  # the pool already holds the segment's first blocks
-        self.num_tokens_fetched += kv.shape[1]
-        return _Fetched(kv.to(self.device), self.write_kv)
+
+
+class KVTiers:
+    """The tiers below the pool as the scheduler and the core see them (scheduling/scheduler.py
+    `BelowPool`): writes as requests leave, lookups as they arrive, the prefill speed for the cost model."""
+
+    def __init__(self, tiers: TierSet, writes: SegmentWrites, reads: SegmentReads) -> None:
+        self.tiers = tiers
+        self.writes = writes
+        self.reads = reads
+
+    def look(self, request: Request, num_cached_tokens: int) -> None:
+        self.reads.look(request, num_cached_tokens)
+
+    def is_looking(self, request: Request) -> bool:
+        return self.reads.is_looking(request)
+
+    def found(self, request: Request, num_cached_tokens: int) -> _Fetched | None:
+        return self.reads.found(request, num_cached_tokens)
+
+    def on_finish(self, request: Request, reason: FinishReason) -> None:
+        self.reads.forget(request)
+        if reason is not FinishReason.ABORT:
+            self.writes.on_finish(request)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.tiers.costs.observe_step(num_tokens, seconds)
+
+    def set_wake(self, wake: Callable[[], None] | None) -> None:
+        self.reads.on_ready = wake
+
+    def report(self) -> TierReport:
+        return self.tiers.report()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.reads.close()
+        self.writes.close(timeout)
 
 
 def _blocks_of(start: int, size: int, block_size: int) -> slice:
@@ -145,8 +253,10 @@ def _value(
 
 
 def build_tiers(config: KvTiersConfig, environ: dict[str, str]) -> TierSet:
-    """The configured tiers, fastest first: the node's disk, then the shared Redis."""
+    """The configured tiers, fastest first: the worker's memory, the node's disk, then the shared Redis."""
     tiers: list[Tier] = []
+    if config.host_capacity_mb > 0:
+        tiers.append(HostTier(config.host_capacity_mb * 2**20))
     if config.disk_path is not None:
         tiers.append(DiskTier(Path(config.disk_path), config.disk_capacity_mb * 2**20))
     if config.shared_url is not None:
@@ -157,3 +267,21 @@ def build_tiers(config: KvTiersConfig, environ: dict[str, str]) -> TierSet:
             RedisTier.from_url(config.shared_url, config.ttl_s, timeout_s, environ.get(PASSWORD_ENV))
         )
     return TierSet(tiers)
+
+
+def build_kv_tiers(
+    config: KvTiersConfig,
+    namespace: Namespace,
+    read_kv: ReadKV,
+    write_kv: WriteKV,
+    device: torch.device,
+    environ: dict[str, str],
+) -> KVTiers:
+    """The configured tiers with their writer and reader, for `EngineCore.use_tiers`."""
+    tiers = build_tiers(config, environ)
+    writer = SegmentWriter(tiers, bytes_per_s=config.write_mb_per_s * 1e6)
+    writes = SegmentWrites(namespace, config.segment_tokens, writer, read_kv)
+    reads = SegmentReads(
+        namespace, config.segment_tokens, tiers, write_kv, config.fetch_deadline_ms / 1000, device
+    )
+    return KVTiers(tiers, writes, reads)

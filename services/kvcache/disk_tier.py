@@ -7,6 +7,10 @@ write the same bytes. A hit touches the file's modification time; when the direc
 `capacity_bytes`, `put` removes the least recently used files down to 90% of it. Another worker may remove a
 file between a `contains` and a `get`: that is a miss. Keys are made of hex digits, `-` and `:`; the file
 name is the key with `:` as `_`, under a folder per namespace.
+
+The directory is scanned (a `stat` per file) only when this worker's count of the bytes there, its last
+scan plus its own writes since, passes the capacity, or every `RESCAN_WRITES` writes (the node's other
+workers write too): not on every write.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 LOW_WATER = 0.9
 SUFFIX = ".kvs"
+RESCAN_WRITES = 64
 
 
 class DiskTier:
@@ -26,6 +31,9 @@ class DiskTier:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.root.mkdir(parents=True, exist_ok=True)
+        self.evictions = 0  # files this worker removed for room
+        self._used = self._scan_used()  # bytes there at the last scan, plus this worker's writes since
+        self._writes_since_scan = 0
 
     def _path(self, key: str) -> Path:
         parts = key.split(":")
@@ -55,7 +63,10 @@ class DiskTier:
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
-        self._evict_over_capacity()
+        self._used += len(value)
+        self._writes_since_scan += 1
+        if self._used > self.capacity_bytes or self._writes_since_scan >= RESCAN_WRITES:
+            self._evict_over_capacity()
         return True
 
     def contains(self, keys: list[str]) -> list[bool]:
@@ -65,6 +76,10 @@ class DiskTier:
         self._path(key).unlink(missing_ok=True)
 
     def used_bytes(self) -> int:
+        """The bytes in the directory as of the last scan, plus this worker's writes since."""
+        return self._used
+
+    def _scan_used(self) -> int:
         return sum(size for _, size, _ in self._files())
 
     def _files(self) -> list[tuple[float, int, Path]]:
@@ -79,11 +94,13 @@ class DiskTier:
 
     def _evict_over_capacity(self) -> None:
         files = self._files()
-        used = sum(size for _, size, _ in files)
-        if used <= self.capacity_bytes:
+        self._used = sum(size for _, size, _ in files)
+        self._writes_since_scan = 0
+        if self._used <= self.capacity_bytes:
             return
         for _, size, path in sorted(files):  # oldest first
             path.unlink(missing_ok=True)
-            used -= size
-            if used <= LOW_WATER * self.capacity_bytes:
+            self._used -= size
+            self.evictions += 1
+            if self._used <= LOW_WATER * self.capacity_bytes:
                 return

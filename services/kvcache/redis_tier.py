@@ -19,6 +19,7 @@ _FAILURES = (redis.RedisError, OSError)
 
 class RedisTier:
     name = "shared"
+    evictions = 0  # the Redis evicts by itself (allkeys-lru): its INFO stats count them
 
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         self.client = client
@@ -63,6 +64,9 @@ class RedisTier:
             self.client.unlink(key)
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
+
+    def used_bytes(self) -> int | None:
+        return None  # the Redis's INFO memory has it; not asked on a scrape
 
     def close(self) -> None:
         self.client.close()

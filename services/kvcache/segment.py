@@ -81,6 +81,11 @@ def segment_key(namespace: Namespace, cache_salt: bytes, last_block_hash: bytes)
     return f"{KEY_PREFIX}:{namespace.tag}:{tenant_tag(cache_salt)}:{last_block_hash.hex()}"
 
 
+def tenant_of(key: str) -> str:
+    """The tenant tag a segment key carries."""
+    return key.split(":")[2]
+
+
 @dataclass(frozen=True)
 class SegmentHeader:
     namespace: str  # Namespace.tag

@@ -22,7 +22,8 @@ class TierUnavailable(Exception):
 
 
 class Tier(Protocol):
-    name: str  # "disk", "shared": the tier's label on metrics and logs
+    name: str  # "host", "disk", "shared": the tier's label on metrics and logs
+    evictions: int  # values this process removed for room (a Redis's own evictions are its to count)
 
     def get(self, key: str) -> bytes | None:
         """The value under `key` (its lifetime refreshed), or None."""
@@ -38,6 +39,10 @@ class Tier(Protocol):
 
     def delete(self, key: str) -> None:
         """Drop `key` (a value that failed its checks)."""
+        ...
+
+    def used_bytes(self) -> int | None:
+        """The bytes the tier holds, as far as this process knows cheaply; None when it cannot."""
         ...
 
 

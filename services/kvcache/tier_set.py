@@ -2,10 +2,11 @@
 request's segments found in any of them (`fetch`), and writes on a thread of their own (`SegmentWriter`).
 
 Reading: segment by segment in prefix order, each tier in turn, stopping at the first segment no tier
-has. A value that fails its checks (`check` raises SegmentMiss: corrupted, truncated, another namespace or
-tenant) is deleted from that tier and counted; the next tier may still have it. A tier that does not answer
-counts a failure on its breaker and is skipped; an open breaker skips it without asking. Past `deadline`
-the run ends where it is: what was fetched is used, the rest recomputed.
+has. A tier the cost model (costs.py) expects to be slower than recomputing the segment is not asked. A
+value that fails its checks (`check` raises SegmentMiss: corrupted, truncated, another namespace or tenant)
+is deleted from that tier and counted; the next tier may still have it. A tier that does not answer counts
+a failure on its breaker and is skipped; an open breaker skips it without asking. Past `deadline` the run
+ends where it is: what was fetched is used, the rest recomputed.
 
 Writing is an optimisation, never a requirement: `SegmentWriter.submit` queues a segment for every tier
 and returns at once; the queue is bounded (a full queue drops the write), a key written recently is not
@@ -14,6 +15,8 @@ written again, and a byte budget per second drops what would exceed it. Every dr
 
 from __future__ import annotations
 
+import bisect
+import copy
 import logging
 import queue
 import threading
@@ -24,7 +27,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from services.kvcache.segment import SegmentMiss
+from services.kvcache.costs import FetchCosts
+from services.kvcache.segment import SegmentMiss, tenant_of
 from services.kvcache.tier import Breaker, Tier, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -42,33 +46,120 @@ class TierStats:
     bytes_read: Counter[str] = field(default_factory=Counter)
     bytes_written: Counter[str] = field(default_factory=Counter)
     writes_dropped: Counter[str] = field(default_factory=Counter)  # by reason: queue, budget
+    fetch_seconds: dict[str, list[int]] = field(default_factory=dict)  # hits per FETCH_BUCKETS bucket
+    fetch_seconds_sum: dict[str, float] = field(default_factory=dict)
+    # By tenant tag (the key's third field: a hash of the salt, `-` for none): segments found in any tier,
+    # and bytes written to the tiers.
+    tenant_hits: Counter[str] = field(default_factory=Counter)
+    tenant_bytes_written: Counter[str] = field(default_factory=Counter)
+    fetched_tokens: int = 0  # prompt tokens placed from the tiers instead of computed
+    late_lookups: int = 0  # lookups still running at their deadline (the request recomputed)
+
+    def observe_fetch(self, tier: str, seconds: float) -> None:
+        counts = self.fetch_seconds.setdefault(tier, [0] * (len(FETCH_BUCKETS) + 1))
+        counts[bisect.bisect_left(FETCH_BUCKETS, seconds)] += 1
+        self.fetch_seconds_sum[tier] = self.fetch_seconds_sum.get(tier, 0.0) + seconds
+
+    def copy(self) -> TierStats:
+        return copy.deepcopy(self)
+
+
+FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)  # the last one is +Inf
+
+
+@dataclass(frozen=True)
+class SegmentSize:
+    """What one segment weighs: its value's bytes (about), and the tokens recomputing it costs."""
+
+    num_bytes: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class TierState:
+    """One tier as `kvrelay status` and the metrics show it."""
+
+    name: str
+    up: bool  # its breaker lets calls through
+    used_bytes: int | None
+    evictions: int
+    latency_s: float | None  # measured (costs.py); None until measured
+    bytes_per_s: float | None
+
+
+@dataclass(frozen=True)
+class TierReport:
+    tiers: list[TierState]
+    stats: TierStats
+    recompute_instead: dict[str, int]  # segments not asked of a tier the cost model judged slower
 
 
 class TierSet:
-    def __init__(self, tiers: Sequence[Tier], make_breaker: Callable[[], Breaker] = Breaker) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        make_breaker: Callable[[], Breaker] = Breaker,
+        costs: FetchCosts | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.tiers = list(tiers)
+        self.clock = clock
         self.breakers = {tier.name: make_breaker() for tier in self.tiers}
+        self.costs = costs or FetchCosts()
         self.stats = TierStats()
         self._lock = threading.Lock()  # the writer thread and the readers share the breakers and counts
 
     def fetch(
-        self, keys: Sequence[str], check: Callable[[int, bytes], bytes], deadline: float
+        self,
+        keys: Sequence[str],
+        check: Callable[[int, bytes], bytes],
+        deadline: float,
+        size: SegmentSize,
     ) -> list[bytes]:
         """The checked payloads of keys[0], keys[1], ... up to the first one no tier holds (or `deadline`,
-        on time.monotonic()). `check(i, value)` returns segment i's payload or raises SegmentMiss."""
+        on `clock`). `check(i, value)` returns segment i's payload or raises SegmentMiss."""
         payloads: list[bytes] = []
         for index, key in enumerate(keys):
-            if time.monotonic() >= deadline:
+            if self.clock() >= deadline:
                 break
-            payload = self._fetch_one(index, key, check)
+            payload = self._fetch_one(index, key, check, size)
             if payload is None:
                 break
             payloads.append(payload)
         return payloads
 
-    def _fetch_one(self, index: int, key: str, check: Callable[[int, bytes], bytes]) -> bytes | None:
+    def count_lookup(self, num_fetched_tokens: int, late: bool) -> None:
+        with self._lock:
+            self.stats.fetched_tokens += num_fetched_tokens
+            self.stats.late_lookups += late
+
+    def report(self) -> TierReport:
+        costs, recompute_instead = self.costs.snapshot()
+        with self._lock:
+            states = [
+                TierState(
+                    tier.name,
+                    self.breakers[tier.name].allow(),
+                    tier.used_bytes(),
+                    tier.evictions,
+                    costs[tier.name].latency_s if tier.name in costs else None,
+                    costs[tier.name].bytes_per_s if tier.name in costs else None,
+                )
+                for tier in self.tiers
+            ]
+            return TierReport(states, self.stats.copy(), recompute_instead)
+
+    def _fetch_one(
+        self, index: int, key: str, check: Callable[[int, bytes], bytes], size: SegmentSize
+    ) -> bytes | None:
         for tier in self.tiers:
-            value = self._call(tier, partial(tier.get, key))
+            if not self.costs.should_ask(tier.name, size.num_bytes, size.num_tokens):
+                continue
+            started = self.clock()
+            answered, value = self._call(tier, partial(tier.get, key))
+            seconds = self.clock() - started
+            if answered:
+                self.costs.observe_call(tier.name, seconds, len(value) if value is not None else 0)
             if value is None:
                 with self._lock:
                     self.stats.misses[tier.name] += 1
@@ -83,7 +174,9 @@ class TierSet:
                 continue
             with self._lock:
                 self.stats.hits[tier.name] += 1
+                self.stats.tenant_hits[tenant_of(key)] += 1
                 self.stats.bytes_read[tier.name] += len(value)
+                self.stats.observe_fetch(tier.name, seconds)
             return payload
         return None
 
@@ -94,20 +187,22 @@ class TierSet:
     def put(self, key: str, value: bytes) -> None:
         """Store `value` in every tier that lacks it (on the caller's thread: the writer's)."""
         for tier in self.tiers:
-            stored = self._call(tier, partial(tier.put, key, value))
+            _, stored = self._call(tier, partial(tier.put, key, value))
             if stored:
                 with self._lock:
                     self.stats.bytes_written[tier.name] += len(value)
+                    self.stats.tenant_bytes_written[tenant_of(key)] += len(value)
 
-    def _call(self, tier: Tier, call: Callable[[], T]) -> T | None:
-        """`call()` on `tier` behind its breaker; None when the breaker is open or the tier fails."""
+    def _call(self, tier: Tier, call: Callable[[], T]) -> tuple[bool, T | None]:
+        """`call()` on `tier` behind its breaker: (True, its result), or (False, None) when the breaker is
+        open or the tier fails."""
         breaker = self.breakers[tier.name]
         with self._lock:
             allowed = breaker.allow()
             if not allowed:
                 self.stats.unavailable[tier.name] += 1
         if not allowed:
-            return None
+            return False, None
         try:
             result = call()
         except TierUnavailable as exc:
@@ -115,10 +210,10 @@ class TierSet:
                 breaker.record_failure()
                 self.stats.unavailable[tier.name] += 1
             log.warning("kv tier unavailable", extra={"tier": tier.name, "error": str(exc)})
-            return None
+            return False, None
         with self._lock:
             breaker.record_success()
-        return result
+        return True, result
 
 
 class SegmentWriter:

@@ -8,13 +8,15 @@ Every series carries the worker's `role` and `worker` name.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.engine.async_engine import AsyncEngine
+from services.kvcache.tier_set import FETCH_BUCKETS, TierReport
 from services.worker.counters import TransferCounters
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -131,6 +133,8 @@ class _EngineCollector(Collector):
                 "Resident bytes of every copy of the model's weights the engine holds.",
                 self.weight_bytes,
             )
+        if stats.tiers is not None:
+            yield from self._tier_metrics(stats.tiers)
         yield self._counter(
             "kvrelay_kv_transfer_bytes",
             "KV bytes sent (prefill) or received (decode).",
@@ -148,6 +152,80 @@ class _EngineCollector(Collector):
             "kvrelay_kv_ipc_refusals",
             "ipc handles this decode worker could not open (the KV then came over grpc).",
             self.counters.ipc_refusals_total,
+        )
+
+    def _tier_metrics(self, report: TierReport) -> Iterator[Metric]:
+        """The KV tiers below the pool (docs/kv-tiers.md): one series per tier (or drop reason)."""
+        stats = report.stats
+        by_tier = [
+            ("hits", "Segments found in the tier.", stats.hits),
+            ("misses", "Segments asked of the tier and not found.", stats.misses),
+            ("refused", "Values that failed their checks (corrupted, foreign): deleted.", stats.corrupt),
+            ("unavailable", "Calls failed, or skipped while the breaker was open.", stats.unavailable),
+            ("read_bytes", "Bytes read from the tier.", stats.bytes_read),
+            ("written_bytes", "Bytes written to the tier.", stats.bytes_written),
+            ("recompute_instead", "Segments not asked of a tier the cost model found slower than recompute.",
+             report.recompute_instead),
+            ("evictions", "Values this worker removed from the tier for room.",
+             {tier.name: tier.evictions for tier in report.tiers}),
+        ]  # fmt: skip
+        names = [tier.name for tier in report.tiers]
+        for suffix, doc, values in by_tier:
+            family = CounterMetricFamily(f"kvrelay_kv_tier_{suffix}", doc, labels=[*self.names, "tier"])
+            for name in names:
+                family.add_metric([*self.values, name], values.get(name, 0))
+            yield family
+        dropped = CounterMetricFamily(
+            "kvrelay_kv_tier_writes_dropped",
+            "Segment writes dropped, by reason (queue full, byte budget).",
+            labels=[*self.names, "reason"],
+        )
+        for reason in ("queue", "budget"):
+            dropped.add_metric([*self.values, reason], stats.writes_dropped.get(reason, 0))
+        yield dropped
+        up = GaugeMetricFamily(
+            "kvrelay_kv_tier_up", "1 while the tier's breaker lets calls through, 0 while open.",
+            labels=[*self.names, "tier"],
+        )  # fmt: skip
+        used = GaugeMetricFamily(
+            "kvrelay_kv_tier_used_bytes", "Bytes the tier holds, where this worker can tell cheaply.",
+            labels=[*self.names, "tier"],
+        )  # fmt: skip
+        for tier in report.tiers:
+            up.add_metric([*self.values, tier.name], 1.0 if tier.up else 0.0)
+            if tier.used_bytes is not None:
+                used.add_metric([*self.values, tier.name], tier.used_bytes)
+        yield up
+        yield used
+        fetch = HistogramMetricFamily(
+            "kvrelay_kv_tier_fetch_seconds", "Time to fetch one segment that was found.",
+            labels=[*self.names, "tier"],
+        )  # fmt: skip
+        for name in names:
+            counts = stats.fetch_seconds.get(name, [0] * (len(FETCH_BUCKETS) + 1))
+            bounds = [*(str(b) for b in FETCH_BUCKETS), "+Inf"]
+            cumulative = list(zip(bounds, itertools.accumulate(counts), strict=True))
+            fetch.add_metric([*self.values, name], cumulative, stats.fetch_seconds_sum.get(name, 0.0))
+        yield fetch
+        for suffix, doc, values in (
+            ("hits", "Segments found in any tier, by tenant tag (a hash of its salt).", stats.tenant_hits),
+            ("written_bytes", "Bytes written to the tiers, by tenant tag.", stats.tenant_bytes_written),
+        ):
+            family = CounterMetricFamily(
+                f"kvrelay_kv_tier_tenant_{suffix}", doc, labels=[*self.names, "tenant"]
+            )
+            for tenant, value in sorted(values.items()):
+                family.add_metric([*self.values, tenant], value)
+            yield family
+        yield self._counter(
+            "kvrelay_kv_tier_fetched_tokens",
+            "Prompt tokens loaded from the tiers below the pool instead of computed.",
+            stats.fetched_tokens,
+        )
+        yield self._counter(
+            "kvrelay_kv_tier_late_lookups",
+            "Lookups still running at their deadline (their requests recomputed).",
+            stats.late_lookups,
         )
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:

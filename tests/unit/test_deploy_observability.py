@@ -35,6 +35,8 @@ from services.common.config import KvrelayConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineStats
 from services.engine.scheduling.block_pool import BlockPoolStats
+from services.kvcache.host_tier import HostTier
+from services.kvcache.tier_set import SegmentSize, TierReport, TierSet
 from services.router.metrics import RouterCollector
 from services.router.router_service import RouterService
 from services.worker.counters import TransferCounters
@@ -46,6 +48,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "kvrelay-dashboard.json"
 ALERTS = REPO / "deploy" / "prometheus" / "kvrelay-alerts.yaml"
 ALERT_TESTS = REPO / "deploy" / "prometheus" / "kvrelay-alerts.test.yaml"
 ENSURE_PROMTOOL = REPO / "scripts" / "ensure_promtool.sh"
+KEY = "kv1:0123456789abcdef:-:" + "ab" * 32
 
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 SCRAPE_LABELS = {"job", "instance"}  # added by Prometheus to every scraped series
@@ -341,7 +344,17 @@ class StubEngine:
             num_preemptions=1,
             num_steps=50,
             steps_by_path={"kernels": 45, "gemm": 5},
+            tiers=tier_report(),
         )
+
+
+def tier_report() -> TierReport:
+    """A worker's KV tiers after one segment written to its host tier and read back."""
+    tiers = TierSet([HostTier(1 << 20)])
+    tiers.put(KEY, b"good-value")
+    assert tiers.fetch([KEY], lambda _, value: value, float("inf"), SegmentSize(10, 16)) == [b"good-value"]
+    tiers.count_lookup(16, late=False)
+    return tiers.report()
 
 
 def scrape_worker() -> str:
@@ -421,3 +434,20 @@ def grafana_substituted(expr: str) -> str:
 def metric_names(expr: str) -> set[str]:
     """The kvrelay_ metric names a query selects (string literals such as label values left out)."""
     return set(METRIC.findall(STRING.sub('""', expr)))
+
+
+def test_a_worker_exports_its_kv_tiers() -> None:
+    samples = {
+        (s.name, s.labels.get("tier", s.labels.get("reason", ""))): s.value
+        for family in text_string_to_metric_families(scrape_worker())
+        for s in family.samples
+        if s.name.startswith("kvrelay_kv_tier")
+    }
+    assert samples[("kvrelay_kv_tier_hits_total", "host")] == 1
+    assert samples[("kvrelay_kv_tier_read_bytes_total", "host")] == len(b"good-value")
+    assert samples[("kvrelay_kv_tier_written_bytes_total", "host")] == len(b"good-value")
+    assert samples[("kvrelay_kv_tier_used_bytes", "host")] == len(b"good-value")
+    assert samples[("kvrelay_kv_tier_up", "host")] == 1
+    assert samples[("kvrelay_kv_tier_fetch_seconds_count", "host")] == 1
+    assert samples[("kvrelay_kv_tier_fetched_tokens_total", "")] == 16
+    assert samples[("kvrelay_kv_tier_writes_dropped_total", "queue")] == 0

@@ -13,10 +13,11 @@ import pytest
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import SegmentMiss
 from services.kvcache.tier import Breaker, TierUnavailable
-from services.kvcache.tier_set import SegmentWriter, TierSet
+from services.kvcache.tier_set import SegmentSize, SegmentWriter, TierSet
 
 NS = "0123456789abcdef"
 KEYS = [f"kv1:{NS}:-:{i:064x}" for i in range(4)]
+SIZE = SegmentSize(num_bytes=5, num_tokens=32)
 
 
 class DictTier:
@@ -24,6 +25,7 @@ class DictTier:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.evictions = 0
         self.values: dict[str, bytes] = {}
         self.is_down = False
         self.num_calls = 0
@@ -44,6 +46,9 @@ class DictTier:
     def contains(self, keys: list[str]) -> list[bool]:
         self._answer()
         return [key in self.values for key in keys]
+
+    def used_bytes(self) -> int | None:
+        return sum(len(v) for v in self.values.values())
 
     def delete(self, key: str) -> None:
         self._answer()
@@ -66,7 +71,7 @@ def test_the_run_is_the_longest_prefix_found_across_the_tiers(tmp_path: Path) ->
     shared.values[KEYS[1]] = b"good1"
     shared.values[KEYS[3]] = b"good3"  # after a gap: never reached
     tiers = TierSet([disk, shared])
-    assert tiers.fetch(KEYS, check, far()) == [b"0", b"1"]
+    assert tiers.fetch(KEYS, check, far(), SIZE) == [b"0", b"1"]
     assert tiers.stats.hits == {"disk": 1, "shared": 1}
 
 
@@ -75,7 +80,7 @@ def test_a_corrupted_value_is_deleted_and_the_next_tier_serves_it(tmp_path: Path
     disk.put(KEYS[0], b"bad!")
     shared.values[KEYS[0]] = b"good0"
     tiers = TierSet([disk, shared])
-    assert tiers.fetch(KEYS[:1], check, far()) == [b"0"]
+    assert tiers.fetch(KEYS[:1], check, far(), SIZE) == [b"0"]
     assert tiers.stats.corrupt["disk"] == 1
     assert disk.get(KEYS[0]) is None  # deleted: the next reader does not meet it again
 
@@ -86,12 +91,12 @@ def test_a_down_tier_opens_its_breaker_and_is_no_longer_asked() -> None:
     now = [0.0]
     tiers = TierSet([shared], make_breaker=lambda: Breaker(2, cooldown_s=30, clock=lambda: now[0]))
     for _ in range(5):
-        assert tiers.fetch(KEYS, check, far()) == []  # the no-cache path: nothing fetched, no error
+        assert tiers.fetch(KEYS, check, far(), SIZE) == []  # the no-cache path: nothing fetched, no error
     assert shared.num_calls == 2  # then open: not asked
     shared.is_down = False
     shared.values[KEYS[0]] = b"good0"
     now[0] = 31  # the cooldown passed: one probe, which answers, closes the breaker
-    assert tiers.fetch(KEYS, check, far()) == [b"0"]
+    assert tiers.fetch(KEYS, check, far(), SIZE) == [b"0"]
     assert not tiers.breakers["shared"].is_open
 
 
@@ -99,7 +104,7 @@ def test_a_passed_deadline_keeps_what_was_fetched() -> None:
     shared = DictTier("shared")
     shared.values.update({key: b"good" + bytes([i]) for i, key in enumerate(KEYS)})
     tiers = TierSet([shared])
-    assert tiers.fetch(KEYS, check, time.monotonic() - 1) == []
+    assert tiers.fetch(KEYS, check, time.monotonic() - 1, SIZE) == []
     assert shared.num_calls == 0
 
 
@@ -151,4 +156,4 @@ def test_the_writer_drops_when_its_queue_is_full() -> None:
 
 @pytest.mark.parametrize("num_keys", [0, 1])
 def test_an_empty_or_missing_run_is_empty(num_keys: int) -> None:
-    assert TierSet([DictTier("shared")]).fetch(KEYS[:num_keys], check, far()) == []
+    assert TierSet([DictTier("shared")]).fetch(KEYS[:num_keys], check, far(), SIZE) == []

@@ -6,6 +6,7 @@ they are the KV of."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from services.common.block_hash import hash_token_blocks
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
-from services.engine.kv_tiers import SegmentReads, SegmentWrites
+from services.engine.kv_tiers import KVTiers, SegmentReads, SegmentWrites
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import Namespace, SegmentMiss, decode, segment_key
 from services.kvcache.tier_set import SegmentWriter, TierSet
@@ -28,12 +29,34 @@ NS = Namespace(
 )  # fmt: skip
 
 
-def engine_writing_to(tmp_path: Path) -> tuple[EngineCore, DiskTier, SegmentWriter]:
+class GatedDisk(DiskTier):
+    """The disk tier, whose reads wait until `gate` is set: a lookup that takes as long as a test wants."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 1 << 30)
+        self.gate = threading.Event()
+
+    def get(self, key: str) -> bytes | None:
+        self.gate.wait()
+        return super().get(key)
+
+
+def engine_with_tiers(
+    tmp_path: Path, disk: DiskTier | None = None, deadline_s: float = 60.0
+) -> tuple[EngineCore, DiskTier, SegmentWriter, SegmentReads]:
+    """A fresh engine reading from and writing to the disk tier at `tmp_path` (or `disk`)."""
     engine = make_fake_engine(kv_cache_memory_mb=4, block_size=BLOCK)
-    disk = DiskTier(tmp_path, 1 << 30)
-    writer = SegmentWriter(TierSet([disk]))
+    disk = disk or DiskTier(tmp_path, 1 << 30)
+    tiers = TierSet([disk])
+    writer = SegmentWriter(tiers)
     writes = SegmentWrites(NS, SEGMENT, writer, engine.runner.read_kv)
-    engine.use_tiers(writes.on_finish, lambda request, num_cached: None, writes.close)
+    reads = SegmentReads(NS, SEGMENT, tiers, engine.runner.write_kv, deadline_s, torch.device("cpu"))
+    engine.use_tiers(KVTiers(tiers, writes, reads))
+    return engine, disk, writer, reads
+
+
+def engine_writing_to(tmp_path: Path) -> tuple[EngineCore, DiskTier, SegmentWriter]:
+    engine, disk, writer, _ = engine_with_tiers(tmp_path)
     return engine, disk, writer
 
 
@@ -110,17 +133,6 @@ def test_an_aborted_request_and_a_repeated_segment_are_not_written(tmp_path: Pat
     engine.close()
 
 
-def engine_with_tiers(tmp_path: Path) -> tuple[EngineCore, SegmentWriter, SegmentReads]:
-    """A fresh engine reading from and writing to the disk tier at `tmp_path`."""
-    engine = make_fake_engine(kv_cache_memory_mb=4, block_size=BLOCK)
-    tiers = TierSet([DiskTier(tmp_path, 1 << 30)])
-    writer = SegmentWriter(tiers)
-    writes = SegmentWrites(NS, SEGMENT, writer, engine.runner.read_kv)
-    reads = SegmentReads(NS, SEGMENT, tiers, engine.runner.write_kv, 10.0, torch.device("cpu"))
-    engine.use_tiers(writes.on_finish, reads.fetch_below, writes.close)
-    return engine, writer, reads
-
-
 def answer(engine: EngineCore, request_id: str, prompt: list[int], salt: bytes) -> tuple[list[int], int]:
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # a function of the KV read
     engine.add_request(request_id, prompt, greedy, cache_salt=salt)
@@ -129,29 +141,64 @@ def answer(engine: EngineCore, request_id: str, prompt: list[int], salt: bytes) 
 
 
 def test_a_fresh_engine_reads_a_prefix_back_and_answers_the_same(tmp_path: Path) -> None:
-    first, _, _ = engine_with_tiers(tmp_path)
+    first, *_ = engine_with_tiers(tmp_path)
     prompt = [(5 * i) % 100 + 2 for i in range(70)]
     cold_tokens, cold_cached = answer(first, "a", prompt, b"tenant-a")
     first.close()
     assert cold_cached == 0
-    second, _, reads = engine_with_tiers(tmp_path)  # a restarted worker: an empty pool, the same disk
+    second, *_, reads = engine_with_tiers(tmp_path)  # a restarted worker: an empty pool, the same disk
     tokens, cached = answer(second, "b", prompt, b"tenant-a")
     assert cached == 64  # two segments; the one holding the last prompt token is recomputed
     assert reads.num_tokens_fetched == 64
     assert tokens == cold_tokens  # the fake samples from the KV it reads: every loaded slot was right
     second.check_invariants()
-    other, _, _ = engine_with_tiers(tmp_path)
+    other, *_ = engine_with_tiers(tmp_path)
     assert answer(other, "c", prompt, b"tenant-b")[1] == 0  # another tenant reads nothing
 
 
 def test_a_local_hit_inside_a_segment_takes_only_the_rest_from_below(tmp_path: Path) -> None:
-    first, _, _ = engine_with_tiers(tmp_path)
+    first, *_ = engine_with_tiers(tmp_path)
     prompt = [(3 * i) % 100 + 2 for i in range(70)]
     cold_tokens, _ = answer(first, "a", prompt, b"")
     first.close()
-    second, _, reads = engine_with_tiers(tmp_path)
+    second, *_, reads = engine_with_tiers(tmp_path)
     answer(second, "warm", prompt[:20], b"")  # 16 tokens of the first segment now in the pool
     fetched_before = reads.num_tokens_fetched
     tokens, cached = answer(second, "b", prompt, b"")
     assert cached == 64 and reads.num_tokens_fetched - fetched_before == 48
     assert tokens == cold_tokens
+
+
+def test_a_lookup_runs_off_the_engine_thread_and_others_are_served_meanwhile(tmp_path: Path) -> None:
+    first, *_ = engine_with_tiers(tmp_path)
+    prompt = [(5 * i) % 100 + 2 for i in range(70)]
+    cold_tokens, _ = answer(first, "a", prompt, b"")
+    first.close()
+    disk = GatedDisk(tmp_path)
+    second, *_ = engine_with_tiers(tmp_path, disk)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    second.add_request("slow", prompt, greedy)  # its lookup waits at the gate
+    second.add_request("other", [3, 4, 5, 6, 7], greedy)
+    outputs = []
+    while not any(o.request_id == "other" and o.finish_reason for o in outputs):
+        outputs += second.step()
+    assert {o.request_id for o in outputs} == {"other"}  # served while "slow" waited for its lookup
+    disk.gate.set()
+    outputs = drain(second)
+    assert [o.new_token_ids[0] for o in outputs] == cold_tokens
+    assert outputs[-1].num_cached_tokens == 64
+
+
+def test_a_lookup_past_its_deadline_recomputes_and_its_result_is_dropped(tmp_path: Path) -> None:
+    first, *_ = engine_with_tiers(tmp_path)
+    prompt = [(5 * i) % 100 + 2 for i in range(70)]
+    cold_tokens, _ = answer(first, "a", prompt, b"")
+    first.close()
+    disk = GatedDisk(tmp_path)
+    second, _, _, reads = engine_with_tiers(tmp_path, disk, deadline_s=0.05)
+    tokens, cached = answer(second, "b", prompt, b"")  # the gate stays shut: the deadline passes
+    assert (tokens, cached) == (cold_tokens, 0)
+    assert reads.tiers.report().stats.late_lookups == 1
+    disk.gate.set()  # the lookup ends now, unread
+    second.check_invariants()
+    second.close()

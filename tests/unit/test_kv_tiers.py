@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from services.kvcache.disk_tier import DiskTier
+from services.kvcache.host_tier import HostTier
 from services.kvcache.redis_tier import RedisTier
 from services.kvcache.tier import Breaker, TierUnavailable
 from tests.ports import free_port
@@ -57,6 +58,19 @@ def test_the_disk_tier_evicts_least_recently_used_down_to_its_capacity(tmp_path:
     tier.put(key(3), bytes(1000))  # over capacity: the least recently used (key 1) goes
     assert tier.contains([key(0), key(1), key(2), key(3)]) == [True, False, True, True]
     assert tier.used_bytes() <= 3500
+
+
+def test_the_host_tier_stores_once_and_drops_least_recently_used_past_its_capacity() -> None:
+    tier = HostTier(capacity_bytes=3000)
+    assert tier.put(key(1), b"a" * 1000) and not tier.put(key(1), b"b" * 1000)  # the first writer wins
+    assert tier.put(key(2), b"c" * 1000) and tier.put(key(3), b"d" * 1000)
+    assert tier.get(key(1)) == b"a" * 1000  # a hit: now the most recently used
+    assert tier.put(key(4), b"e" * 1000)  # over capacity: key 2 goes, not key 1
+    assert tier.contains([key(1), key(2), key(3), key(4)]) == [True, False, True, True]
+    assert (tier.used_bytes(), tier.evictions) == (3000, 1)
+    assert not tier.put(key(5), b"f" * 3001)  # larger than the tier: never stored, nothing evicted
+    tier.delete(key(3))
+    assert tier.used_bytes() == 2000 and tier.get(key(3)) is None
 
 
 def test_a_key_that_is_not_a_segment_key_is_refused(tmp_path: Path) -> None:

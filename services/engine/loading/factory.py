@@ -27,7 +27,7 @@ from services.common.sampling import MAX_LOGPROBS, SamplingParams
 from services.engine.core import EngineCore, ServedWeights
 from services.engine.cuda_graphs import DecodeGraphs, estimate_graph_bytes
 from services.engine.kv_export import dtype_name
-from services.engine.kv_tiers import SegmentReads, SegmentWrites, build_tiers
+from services.engine.kv_tiers import build_kv_tiers
 from services.engine.layers.attention_backend import PagedAttention, TorchAttention
 from services.engine.layers.attention_metadata import RowSpec, build_metadata, to_device
 from services.engine.layers.grammar_matchers import GrammarMatchers
@@ -58,7 +58,6 @@ from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.kv_manager import KVCacheManager, PrefixCacheStats
 from services.engine.scheduling.scheduler import Scheduler
 from services.kvcache.segment import Namespace
-from services.kvcache.tier_set import SegmentWriter
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +226,12 @@ def build_core_from_loaded(
         grammars=grammars,
         served=served_weights(loaded),
     )
-    tiers = config.kv_tiers
-    if tiers.is_enabled:
-        tier_set = build_tiers(tiers, dict(os.environ))
+    if config.kv_tiers.is_enabled:
         namespace = tier_namespace(loaded, engine.block_size)
-        writer = SegmentWriter(tier_set, bytes_per_s=tiers.write_mb_per_s * 1e6)
-        writes = SegmentWrites(namespace, tiers.segment_tokens, writer, core.runner.read_kv)
-        deadline_s = tiers.fetch_deadline_ms / 1000
-        reads = SegmentReads(
-            namespace, tiers.segment_tokens, tier_set, core.runner.write_kv, deadline_s, device
+        runner, environ = core.runner, dict(os.environ)
+        core.use_tiers(
+            build_kv_tiers(config.kv_tiers, namespace, runner.read_kv, runner.write_kv, device, environ)
         )
-        core.use_tiers(writes.on_finish, reads.fetch_below, writes.close)
     return core
 
 

@@ -36,17 +36,21 @@ class KVCacheManager:
     window: int | None = None  # ModelConfig.kv_window: set only when every layer has a sliding window
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks for the request's leading full blocks. The last token is always recomputed,
-        so the engine has logits to sample from."""
+        """Cached blocks for the request's leading full blocks, counted in the prefix stats. The last
+        token is always recomputed, so the engine has logits to sample from."""
+        hits = self.peek_cached_prefix(request)
+        self.prefix_stats.num_queries += request.num_tokens
+        self.prefix_stats.num_hits += len(hits) * self.block_size
+        return hits
+
+    def peek_cached_prefix(self, request: Request) -> list[int]:
+        """The blocks `find_cached_prefix` would return now, uncounted."""
         num_cacheable = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:num_cacheable]
         token_blocks = [
             request.token_ids[i * self.block_size : (i + 1) * self.block_size] for i in range(len(hashes))
         ]
-        hits = self.pool.lookup(hashes, token_blocks)
-        self.prefix_stats.num_queries += request.num_tokens
-        self.prefix_stats.num_hits += len(hits) * self.block_size
-        return hits
+        return self.pool.lookup(hashes, token_blocks)
 
     def admit(self, request: Request, cached_block_ids: list[int], num_new_tokens: int) -> bool:
         """Give a waiting request its cached prefix plus room for `num_new_tokens`; False if full."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,6 +79,26 @@ class FetchedKV(Protocol):
         ...
 
 
+class BelowPool(Protocol):
+    """The KV tiers below the pool (engine/kv_tiers.py), as the scheduler sees them."""
+
+    def look(self, request: Request, num_cached_tokens: int) -> None:
+        """A new request: start looking up what follows the pool's hit of `num_cached_tokens` (elsewhere)."""
+        ...
+
+    def is_looking(self, request: Request) -> bool:
+        """Whether its lookup still runs: it is not admitted meanwhile (others are)."""
+        ...
+
+    def found(self, request: Request, num_cached_tokens: int) -> FetchedKV | None:
+        """What its lookup found past the pool's hit of `num_cached_tokens` now, or None."""
+        ...
+
+    def on_finish(self, request: Request, reason: FinishReason) -> None:
+        """It leaves (its blocks still held): its finished segments may be written down."""
+        ...
+
+
 @dataclass
 class Scheduler:
     kv: KVCacheManager
@@ -89,13 +109,11 @@ class Scheduler:
     requests: dict[SeqId, Request] = field(default_factory=dict)
     num_preemptions: int = 0
     num_generated_tokens: int = 0  # tokens sampled (appended in `update`), never reset
-    # Called with each request that leaves through `finish` other than by an abort, before its blocks go
-    # back to the pool (the KV tiers copy its segments out: engine/kv_tiers.py).
-    on_finish: Callable[[Request], None] | None = None
-    # Asked at admission, past the pool's own prefix hit (in tokens): KV found in the tiers below the pool
-    # for the tokens after it (engine/kv_tiers.py), or None. Its blocks are allocated with the request's
-    # and placed before its first chunk is sized; they cost no compute budget.
-    fetch_below: Callable[[Request, int], FetchedKV | None] | None = None
+    # The tiers below the pool, if any: a new request (a group's leader) starts a lookup there; KV it
+    # found is placed into blocks allocated with the request's at admission, before its first chunk is
+    # sized (it costs no compute budget); each request that leaves through `finish` is shown to them
+    # before its blocks go back.
+    below: BelowPool | None = None
     # Seconds each newly admitted request waited since arrival, until `take_queue_times`.
     _queue_times: list[float] = field(default_factory=list, init=False)
 
@@ -103,6 +121,8 @@ class Scheduler:
         """Queue a new request (it waits for admission)."""
         self.requests[request.seq_id] = request
         self._enqueue(request)
+        if self.below is not None and request.group_leader_id is None:
+            self.below.look(request, len(self.kv.peek_cached_prefix(request)) * self.kv.block_size)
 
     def reserve(self, request: Request) -> bool:
         """Take in a new request whose prompt KV will arrive from a prefill replica: hold its cached
@@ -196,11 +216,11 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
                 return
-            if self._leader_still_prefilling(request):
+            if self._leader_still_prefilling(request) or self._still_looking(request):
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
-            below = self.fetch_below(request, num_cached_tokens) if self.fetch_below is not None else None
+            below = self.below.found(request, num_cached_tokens) if self.below is not None else None
             num_below = below.num_tokens if below is not None else 0
             num_new = min(request.num_tokens - num_cached_tokens - num_below, budget)
             if not self.kv.admit(request, cached, num_below + num_new):
@@ -217,6 +237,9 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
             budget -= num_new
+
+    def _still_looking(self, request: Request) -> bool:
+        return self.below is not None and self.below.is_looking(request)
 
     def _leader_still_prefilling(self, request: Request) -> bool:
         if request.group_leader_id is None:
@@ -275,8 +298,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         # WAITING_FOR_KV requests sit in neither list; releasing their reservation is all.
-        if self.on_finish is not None and reason is not FinishReason.ABORT:
-            self.on_finish(request)
+        if self.below is not None:
+            self.below.on_finish(request, reason)
         self.kv.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
