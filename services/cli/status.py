@@ -7,8 +7,10 @@ Workers show their role (colocated, prefill or decode) and, in a disaggregated s
 counters: bytes sent (prefill) or received (decode), remote prefills, and remote prefills that fell back
 to a local recompute. Each worker also shows the weights it serves (model.weights resolved, the largest
 step its C kernels take, the weights' resident bytes) and how many engine steps took each path (the C
-kernels, torch's GEMMs). `--json` prints the codec's document unchanged. The document comes from
-services/common/status_client.py (which the benchmarks read counters with too).
+kernels, torch's GEMMs), and the KV tiers below its pool (docs/kv-tiers.md): each one's state (DOWN
+while its breaker is open), its hits/misses in segments and, where known, the bytes it holds. `--json`
+prints the codec's document unchanged. The document comes from services/common/status_client.py (which
+the benchmarks read counters with too).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ COLUMNS = (
     "REMOTE/FALLBACKS",
     "WEIGHTS",
     "STEPS KERNELS/GEMM",
+    "KV TIERS",
 )
 
 
@@ -88,7 +91,22 @@ def _row(service: Mapping[str, Any]) -> list[str]:
         "/".join(_cell(service.get(key)) for key in ("remote_prefills_total", "prefill_fallbacks_total")),
         _weights_cell(service),
         _steps_cell(service.get("steps_by_path")),
+        _tiers_cell(service.get("kv_tiers")),
     ]
+
+
+def _tiers_cell(tiers: Sequence[Mapping[str, Any]] | None) -> str:
+    """e.g. "disk:up,3/1,12MB shared:DOWN,0/0": each tier below the pool, its hits/misses in segments,
+    and the bytes it holds where known."""
+    if not tiers:
+        return "-"
+    cells = []
+    for tier in tiers:
+        cell = f"{tier['name']}:{'up' if tier['up'] else 'DOWN'},{tier['hits']}/{tier['misses']}"
+        if tier["used_bytes"] >= 0:
+            cell += f",{tier['used_bytes'] / 2**20:.0f}MB"
+        cells.append(cell)
+    return " ".join(cells)
 
 
 def _weights_cell(service: Mapping[str, Any]) -> str:

@@ -13,8 +13,9 @@ Every child gets the same validated config, written to a temporary file for the 
 
 The plan (worker slots, ports, the thread split, the children's command lines and probes) is
 services/common/local_stack.py, which the benchmarks' stacks share; the supervisor that runs it is
-services/common/supervisor.py. This module adds the flags, the GPU share, the busy-port check and the
-foreground run.
+services/common/supervisor.py. This module adds the flags, the GPU share, the busy-port check, the KV
+cache's own redis-server when `kv_tiers.shared_url` names this machine and nothing answers there
+(services/common/cache_redis.py), and the foreground run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from services.common.config import KvrelayConfig, load_config
+from services.common.cache_redis import local_cache_redis
+from services.common.config import KV_TIERS_PASSWORD_ENV, KvrelayConfig, load_config
 from services.common.errors import ModelNotFoundError
 from services.common.local_stack import (
     COLOCATED,
@@ -111,7 +113,13 @@ def run(args: argparse.Namespace) -> int:
     ports = derive_ports(base_port, len(workers), free_ports, tuple(w.name for w in workers))
     if args.port != 0:
         _check_ports_free(host, ports)
-    with tempfile.TemporaryDirectory(prefix="kvrelay-up-") as tmp:
+    password = os.environ.get(KV_TIERS_PASSWORD_ENV)
+    with (
+        local_cache_redis(cfg.kv_tiers.shared_url, password) as cache_port,
+        tempfile.TemporaryDirectory(prefix="kvrelay-up-") as tmp,
+    ):
+        if cache_port is not None:
+            log.info("started the KV cache's redis-server", extra={"port": cache_port})
         plan = StackPlan(
             host=host,
             ports=ports,

@@ -24,7 +24,9 @@ from services.codec.state import CodecState, codec_state
 KV_BLOCK_KEYS = ("total", "active", "cached", "free")
 PREFIX_CACHE_KEYS = ("queries", "hits")
 TRANSFER_KEYS = ("kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total")
-WORKER_KEYS = (*TRANSFER_KEYS, "weights", "small_step_max_tokens", "weight_bytes", "steps_by_path")
+WORKER_KEYS = (
+    *TRANSFER_KEYS, "weights", "small_step_max_tokens", "weight_bytes", "steps_by_path", "kv_tiers"
+)  # fmt: skip
 
 router = APIRouter()
 

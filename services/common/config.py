@@ -229,6 +229,9 @@ class DisaggregationConfig(_Section):
     min_prompt_tokens: int = Field(default=0, ge=0)  # shorter prompts are prefilled on the decode replica
 
 
+KV_TIERS_PASSWORD_ENV = "KVRELAY_KV_TIERS_PASSWORD"  # the shared tier's password, never in a file
+
+
 class KvTiersConfig(_Section):
     """The KV tiers below each worker's pool (docs/kv-tiers.md); off while no `host_capacity_mb`,
     `disk_path` or `shared_url` is set. The shared tier's password comes from the environment
@@ -243,7 +246,6 @@ class KvTiersConfig(_Section):
     fetch_deadline_ms: int = Field(default=1000, gt=0)  # a request's whole lookup; past it, recompute
     write_mb_per_s: float = Field(default=256.0, gt=0)  # beyond it, writes are dropped (and counted)
     host_capacity_mb: int = Field(default=0, ge=0)  # the worker's memory tier; 0: none
-    tenant_capacity_mb: int = Field(default=0, ge=0)  # each tenant's bytes in the shared tier; 0: no cap
 
     @property
     def is_enabled(self) -> bool:

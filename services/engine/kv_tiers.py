@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import KvTiersConfig
+from services.common.config import KV_TIERS_PASSWORD_ENV, KvTiersConfig
 from services.common.outputs import FinishReason
 from services.engine.kv_export import KV_DTYPES
 from services.engine.scheduling.block_pool import NO_BLOCK
@@ -42,7 +42,6 @@ from services.kvcache.tier import Tier
 from services.kvcache.tier_set import SegmentSize, SegmentWriter, TierReport, TierSet
 
 log = logging.getLogger(__name__)
-PASSWORD_ENV = "KVRELAY_KV_TIERS_PASSWORD"
 
 ReadKV = Callable[[list[int], int, int], torch.Tensor]  # (block_ids, start, end) -> [L, T, 2, H, D]
 WriteKV = Callable[[list[int], int, torch.Tensor], None]  # (block_ids, start, [L, T, 2, H, D])
@@ -264,7 +263,7 @@ def build_tiers(config: KvTiersConfig, environ: dict[str, str]) -> TierSet:
 
         timeout_s = config.timeout_ms / 1000
         tiers.append(
-            RedisTier.from_url(config.shared_url, config.ttl_s, timeout_s, environ.get(PASSWORD_ENV))
+            RedisTier.from_url(config.shared_url, config.ttl_s, timeout_s, environ.get(KV_TIERS_PASSWORD_ENV))
         )
     return TierSet(tiers)
 

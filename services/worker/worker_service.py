@@ -22,6 +22,7 @@ from services.common.grpc_server import abort_for
 from services.common.proto_convert import EngineInput, engine_input_from_proto
 from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
+from services.kvcache.tier_set import TierReport
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.worker.counters import TransferCounters
@@ -166,4 +167,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             requests_aborted_total=stats.num_aborted,
             generation_tokens_total=stats.num_generated_tokens,
             steps_by_path=stats.steps_by_path,
+            kv_tiers=_tiers_to_proto(stats.tiers) if stats.tiers is not None else [],
+            kv_tier_fetched_tokens_total=stats.tiers.stats.fetched_tokens if stats.tiers is not None else 0,
         )
+
+
+def _tiers_to_proto(report: TierReport) -> list[pb.KVTier]:
+    stats = report.stats
+    return [
+        pb.KVTier(
+            name=tier.name,
+            up=tier.up,
+            hits=stats.hits[tier.name],
+            misses=stats.misses[tier.name],
+            read_bytes=stats.bytes_read[tier.name],
+            written_bytes=stats.bytes_written[tier.name],
+            used_bytes=-1 if tier.used_bytes is None else tier.used_bytes,
+            recompute_instead=report.recompute_instead.get(tier.name, 0),
+            unavailable=stats.unavailable[tier.name],
+            refused=stats.corrupt[tier.name],
+            latency_ms=(tier.latency_s or 0.0) * 1000,
+            bytes_per_s=tier.bytes_per_s or 0.0,
+        )
+        for tier in report.tiers
+    ]

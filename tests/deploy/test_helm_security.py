@@ -14,11 +14,8 @@ from __future__ import annotations
 import base64
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -31,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.config import load_config
 from services.common.grpc_tls import is_enabled
-from tests.deploy import chart
+from tests.deploy import chart, local_redis
 from tests.deploy.chart import (
     container,
     effective_config_env,
@@ -44,7 +41,8 @@ from tests.deploy.chart import (
     render_notes,
     secret_env,
 )
-from tests.stack_helpers import REPO_ROOT, free_port
+from tests.deploy.local_redis import secret_dir
+from tests.stack_helpers import REPO_ROOT
 from tests.tls_certs import Certs, make_certs
 
 TLS_SECRET = "kvrelay-internal-tls"
@@ -188,49 +186,14 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_certs(tmp_path_factory.mktemp("certs"), san="IP:127.0.0.1,DNS:localhost,DNS:kvrelay-internal")
 
 
-def secret_dir(certs: Certs, directory: Path) -> Path:
-    """A kubernetes.io/tls Secret with ca.crt, as its volume would hold it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for source, key in ((certs.cert, "tls.crt"), (certs.key, "tls.key"), (certs.ca, "ca.crt")):
-        shutil.copy(source, directory / key)
-    return directory
-
-
 @pytest.fixture
 def redis_tls(certs: Certs, tmp_path: Path) -> Iterator[tuple[list[dict], int, Path, str]]:
     """The rendered bundled Redis (password, TLS) running here: objects, port, local CA dir, password."""
-    server = shutil.which("redis-server")
-    assert server is not None, "install redis-server"
     objects = render(REDIS_TLS)
     password = base64.b64decode(one(objects, "Secret", fullname("redis-auth"))["data"]["password"]).decode()
     local_tls = secret_dir(certs, tmp_path / "tls")
-    port = free_port()
-    args = []
-    for arg in redis_container(objects)["args"]:
-        arg = arg.replace("$(REDIS_PASSWORD)", password).replace("/etc/redis/tls", str(local_tls))
-        args.append(str(port) if arg == "6379" else arg)
-    proc = subprocess.Popen(
-        [server, *args, "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while not port_open(port):
-            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
-            time.sleep(0.05)
+    with local_redis.running(redis_container(objects), password, local_tls, tmp_path) as port:
         yield objects, port, local_tls, password
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 def test_bundled_redis_runs_with_password_and_tls(redis_tls: tuple[list[dict], int, Path, str]) -> None:
@@ -255,15 +218,7 @@ def test_bundled_redis_runs_with_password_and_tls(redis_tls: tuple[list[dict], i
     with pytest.raises(redis.ConnectionError):  # no plaintext port
         redis.Redis.from_url(f"redis://:{password}@127.0.0.1:{port}/0", socket_timeout=1).ping()
     # the readiness probe, as the kubelet runs it in the container
-    probe = redis_container(objects)["readinessProbe"]["exec"]["command"]
-    probe = [a.replace("/etc/redis/tls", str(local_tls)) for a in probe]
-    result = subprocess.run(
-        [*probe[:-1], "-p", str(port), probe[-1]],
-        env={**os.environ, "REDISCLI_AUTH": password},
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
+    result = local_redis.readiness_probe(redis_container(objects), port, password, local_tls)
     assert result.returncode == 0 and result.stdout.strip() == "PONG", result
 
 

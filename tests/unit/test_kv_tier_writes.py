@@ -169,11 +169,17 @@ def test_a_local_hit_inside_a_segment_takes_only_the_rest_from_below(tmp_path: P
     assert tokens == cold_tokens
 
 
-def test_a_lookup_runs_off_the_engine_thread_and_others_are_served_meanwhile(tmp_path: Path) -> None:
+def written_through(tmp_path: Path) -> tuple[list[int], list[int]]:
+    """A prompt answered by an engine that wrote its segments to the disk at `tmp_path`, and its tokens."""
     first, *_ = engine_with_tiers(tmp_path)
     prompt = [(5 * i) % 100 + 2 for i in range(70)]
     cold_tokens, _ = answer(first, "a", prompt, b"")
     first.close()
+    return prompt, cold_tokens
+
+
+def test_a_lookup_runs_off_the_engine_thread_and_others_are_served_meanwhile(tmp_path: Path) -> None:
+    prompt, cold_tokens = written_through(tmp_path)
     disk = GatedDisk(tmp_path)
     second, *_ = engine_with_tiers(tmp_path, disk)
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -190,10 +196,7 @@ def test_a_lookup_runs_off_the_engine_thread_and_others_are_served_meanwhile(tmp
 
 
 def test_a_lookup_past_its_deadline_recomputes_and_its_result_is_dropped(tmp_path: Path) -> None:
-    first, *_ = engine_with_tiers(tmp_path)
-    prompt = [(5 * i) % 100 + 2 for i in range(70)]
-    cold_tokens, _ = answer(first, "a", prompt, b"")
-    first.close()
+    prompt, cold_tokens = written_through(tmp_path)
     disk = GatedDisk(tmp_path)
     second, _, _, reads = engine_with_tiers(tmp_path, disk, deadline_s=0.05)
     tokens, cached = answer(second, "b", prompt, b"")  # the gate stays shut: the deadline passes

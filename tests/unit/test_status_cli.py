@@ -21,7 +21,11 @@ DOCUMENT = {
          "waiting": 3, "requests_total": 12,
          "kv_blocks": {"total": 100, "active": 10, "cached": 5, "free": 85},
          "prefix_cache": {"queries": 12, "hits": 4}, "weights": "gguf-hybrid", "small_step_max_tokens": 12,
-         "weight_bytes": 365_000_000, "steps_by_path": {"kernels": 40, "gemm": 3}},
+         "weight_bytes": 365_000_000, "steps_by_path": {"kernels": 40, "gemm": 3},
+         "kv_tiers": [
+             {"name": "disk", "up": True, "hits": 3, "misses": 1, "used_bytes": 12 * 2**20},
+             {"name": "shared", "up": False, "hits": 0, "misses": 2, "used_bytes": -1},
+         ]},
         {"name": "worker-1", "role": "prefill", "address": "127.0.0.1:8003", "ready": True, "running": 0,
          "waiting": 0, "requests_total": 0, "kv_transfer_bytes_total": 4096, "remote_prefills_total": 2,
          "prefill_fallbacks_total": 0},
@@ -75,7 +79,15 @@ def test_table_has_a_row_per_service_and_dashes_for_missing_fields(
     assert run([]) == 0
     header, codec, worker, prefill, decode = capsys.readouterr().out.splitlines()
     assert header.split()[:3] == ["NAME", "ROLE", "ADDRESS"]
-    assert header.split()[-5:] == ["BYTES", "REMOTE/FALLBACKS", "WEIGHTS", "STEPS", "KERNELS/GEMM"]
+    assert header.split()[-7:] == [
+        "BYTES",
+        "REMOTE/FALLBACKS",
+        "WEIGHTS",
+        "STEPS",
+        "KERNELS/GEMM",
+        "KV",
+        "TIERS",
+    ]
     assert codec.split() == [
         "codec",
         "codec",
@@ -88,6 +100,7 @@ def test_table_has_a_row_per_service_and_dashes_for_missing_fields(
         "-/-",
         "-",
         "-/-",
+        "-",
         "-",
         "-",
     ]
@@ -105,9 +118,11 @@ def test_table_has_a_row_per_service_and_dashes_for_missing_fields(
         "-/-",
         "gguf-hybrid(<=12,348MB)",
         "40/3",
+        "disk:up,3/1,12MB",
+        "shared:DOWN,0/2",
     ]
-    assert prefill.split()[:2] == ["worker-1", "prefill"] and prefill.split()[-4:-2] == ["4096", "2/0"]
-    assert decode.split()[:2] == ["worker-2", "decode"] and decode.split()[-4:-2] == ["4096", "2/1"]
+    assert prefill.split()[:2] == ["worker-1", "prefill"] and prefill.split()[-5:-3] == ["4096", "2/0"]
+    assert decode.split()[:2] == ["worker-2", "decode"] and decode.split()[-5:-3] == ["4096", "2/1"]
 
 
 def test_a_stack_that_does_not_answer_is_one_line_and_exit_code_1(capsys: pytest.CaptureFixture[str]) -> None:

@@ -134,6 +134,7 @@ def _replica_status(replica: pb.Replica) -> ServiceStatus:
         remote_prefills_total=load.remote_prefills_total,
         prefill_fallbacks_total=load.prefill_fallbacks_total,
         steps_by_path=dict(load.steps_by_path),
+        kv_tiers=[{f.name: getattr(tier, f.name) for f in tier.DESCRIPTOR.fields} for tier in load.kv_tiers],
         **_weights_status(replica),
     )
 

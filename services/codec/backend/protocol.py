@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.common.errors import KvrelayError
 from services.common.outputs import FinishReason, TokenLogprob
@@ -98,6 +98,8 @@ class ServiceStatus:
     small_step_max_tokens: int | None = None
     weight_bytes: int | None = None
     steps_by_path: dict[str, int] | None = None
+    # Workers only: the KV tiers below the pool (name, up, hits, misses, bytes, ...: worker.proto KVTier).
+    kv_tiers: list[dict[str, Any]] | None = None
 
 
 class Backend(Protocol):

@@ -18,6 +18,7 @@
 {{- fail "redis.tls.enabled needs redis.tls.existingSecret (tls.crt, tls.key, ca.crt), or internalTls.enabled, whose certificate then serves Redis too" }}
 {{- end }}
 {{- include "kvrelay.checkConfigKeys" . }}
+{{- include "kvrelay.checkKvTiers" . }}
 {{- end }}
 
 {{/* Config keys the chart sets from other values (in the ConfigMap or the environment, where they would

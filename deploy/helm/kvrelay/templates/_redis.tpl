@@ -93,3 +93,136 @@ value: {{ .url | quote }}
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* One Redis server, Deployment and Service, for a role of its own (the bundled Redis of quotas and stored
+     Responses, the KV tiers' cache Redis): a password from a Secret (requirepass), TLS only as an option,
+     no persistence, bounded by maxmemory with an eviction policy. Call with a dict: root, component, tls,
+     tlsSecret, passwordSecret, passwordKey, maxMemory, policy (--maxmemory-policy), image, resources. */}}
+{{- define "kvrelay.redisServer" -}}
+{{- $root := .root }}
+{{- $name := include "kvrelay.componentName" (dict "root" $root "component" .component) }}
+{{- $tlsDir := "/etc/redis/tls" }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "kvrelay.labels" (dict "root" $root "component" .component) | nindent 4 }}
+spec:
+  replicas: 1
+  strategy:
+    type: Recreate
+  selector:
+    matchLabels:
+      {{- include "kvrelay.selectorLabels" (dict "root" $root "component" .component) | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "kvrelay.labels" (dict "root" $root "component" .component) | nindent 8 }}
+    spec:
+      automountServiceAccountToken: false
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: 999
+        runAsGroup: 999
+        fsGroup: 999
+        seccompProfile:
+          type: RuntimeDefault
+      containers:
+        - name: redis
+          image: "{{ .image.repository }}:{{ .image.tag }}"
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["redis-server"]
+          # The kubelet expands $(REDIS_PASSWORD) from the env below.
+          args:
+            {{- if .tls }}
+            - --port
+            - "0"
+            - --tls-port
+            - "6379"
+            - --tls-cert-file
+            - {{ printf "%s/tls.crt" $tlsDir }}
+            - --tls-key-file
+            - {{ printf "%s/tls.key" $tlsDir }}
+            - --tls-ca-cert-file
+            - {{ printf "%s/ca.crt" $tlsDir }}
+            # The password authenticates clients; they present no certificate.
+            - --tls-auth-clients
+            - "no"
+            {{- else }}
+            - --port
+            - "6379"
+            {{- end }}
+            - --requirepass
+            - $(REDIS_PASSWORD)
+            - --save
+            - ""
+            - --appendonly
+            - "no"
+            - --maxmemory
+            - {{ .maxMemory | quote }}
+            - --maxmemory-policy
+            - {{ .policy }}
+          env:
+            - name: REDIS_PASSWORD
+              valueFrom:
+                secretKeyRef:
+                  name: {{ .passwordSecret }}
+                  key: {{ .passwordKey }}
+            - name: REDISCLI_AUTH  # redis-cli's password (the readiness probe)
+              value: $(REDIS_PASSWORD)
+          ports:
+            - name: redis
+              containerPort: 6379
+              protocol: TCP
+          readinessProbe:
+            exec:
+              {{- if .tls }}
+              command: ["redis-cli", "--tls", "--cacert", {{ printf "%s/ca.crt" $tlsDir | quote }}, "ping"]
+              {{- else }}
+              command: ["redis-cli", "ping"]
+              {{- end }}
+            periodSeconds: 5
+          livenessProbe:
+            tcpSocket:
+              port: redis
+            periodSeconds: 10
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          resources:
+            {{- toYaml .resources | nindent 12 }}
+          volumeMounts:
+            - name: data
+              mountPath: /data
+            {{- if .tls }}
+            - name: tls
+              mountPath: {{ $tlsDir }}
+              readOnly: true
+            {{- end }}
+      volumes:
+        - name: data
+          emptyDir:
+            sizeLimit: 1Gi
+        {{- if .tls }}
+        - name: tls
+          secret:
+            secretName: {{ .tlsSecret }}
+            defaultMode: 0440
+        {{- end }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "kvrelay.labels" (dict "root" $root "component" .component) | nindent 4 }}
+spec:
+  type: ClusterIP
+  selector:
+    {{- include "kvrelay.selectorLabels" (dict "root" $root "component" .component) | nindent 4 }}
+  ports:
+    - name: redis
+      port: 6379
+      targetPort: redis
+      protocol: TCP
+{{- end }}

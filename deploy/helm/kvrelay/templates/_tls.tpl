@@ -26,7 +26,8 @@
 {{- end }}
 
 {{/* The DNS names of every internal Service a kvrelay process or the codec dials: the router, the worker
-     Services, the bundled Redis; each short, with its namespace, and fully qualified. */}}
+     Services, the bundled Redis, the KV tiers' cache Redis; each short, with its namespace, and fully
+     qualified. */}}
 {{- define "kvrelay.internalDnsNames" -}}
 {{- $components := list "router" }}
 {{- range $stage := list "prefill" "decode" }}
@@ -34,6 +35,7 @@
 {{- end }}
 {{- if .Values.paired.enabled }}{{- $components = concat $components (list "paired-prefill" "paired-decode") }}{{- end }}
 {{- if .Values.redis.enabled }}{{- $components = append $components "redis" }}{{- end }}
+{{- if include "kvrelay.kvCacheBundled" . }}{{- $components = append $components "kv-cache" }}{{- end }}
 {{- $names := list }}
 {{- range $components }}
 {{- $service := include "kvrelay.componentName" (dict "root" $ "component" .) }}

@@ -66,6 +66,9 @@
     {{- with include "kvrelay.engineEnv" (dict "root" $root "share" .share) | trim }}
     {{- . | nindent 4 }}
     {{- end }}
+    {{- with include "kvrelay.kvTiersEnv" $root | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- if $root.Values.gpu.enabled }}
     {{- with $root.Values.gpu.env }}
     {{- toYaml . | nindent 4 }}
@@ -109,4 +112,7 @@
     {{- include "kvrelay.modelMount" $root | trim | nindent 4 }}
     - name: dshm
       mountPath: /dev/shm
+    {{- with include "kvrelay.kvTiersMounts" $root | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
 {{- end }}

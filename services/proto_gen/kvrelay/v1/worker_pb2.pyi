@@ -212,7 +212,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path")
+    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path", "kv_tiers", "kv_tier_fetched_tokens_total")
     class StepsByPathEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,8 @@ class LoadResponse(_message.Message):
     REQUESTS_ABORTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEPS_BY_PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_FETCHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks: KVBlocks
@@ -246,7 +248,37 @@ class LoadResponse(_message.Message):
     requests_aborted_total: int
     generation_tokens_total: int
     steps_by_path: _containers.ScalarMap[str, int]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTier]
+    kv_tier_fetched_tokens_total: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., kv_tier_fetched_tokens_total: _Optional[int] = ...) -> None: ...
+
+class KVTier(_message.Message):
+    __slots__ = ("name", "up", "hits", "misses", "read_bytes", "written_bytes", "used_bytes", "recompute_instead", "unavailable", "refused", "latency_ms", "bytes_per_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_INSTEAD_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    up: bool
+    hits: int
+    misses: int
+    read_bytes: int
+    written_bytes: int
+    used_bytes: int
+    recompute_instead: int
+    unavailable: int
+    refused: int
+    latency_ms: float
+    bytes_per_s: float
+    def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., recompute_instead: _Optional[int] = ..., unavailable: _Optional[int] = ..., refused: _Optional[int] = ..., latency_ms: _Optional[float] = ..., bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ()
