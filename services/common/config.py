@@ -246,6 +246,7 @@ class KvTiersConfig(_Section):
     fetch_deadline_ms: int = Field(default=1000, gt=0)  # a request's whole lookup; past it, recompute
     write_mb_per_s: float = Field(default=256.0, gt=0)  # beyond it, writes are dropped (and counted)
     host_capacity_mb: int = Field(default=0, ge=0)  # the worker's memory tier; 0: none
+    tenant_capacity_mb: int = Field(default=0, ge=0)  # each tenant's most MiB in the shared tier; 0: no cap
 
     @property
     def is_enabled(self) -> bool:

@@ -262,9 +262,9 @@ def build_tiers(config: KvTiersConfig, environ: dict[str, str]) -> TierSet:
         from services.kvcache.redis_tier import RedisTier  # redis only where a shared tier is configured
 
         timeout_s = config.timeout_ms / 1000
-        tiers.append(
-            RedisTier.from_url(config.shared_url, config.ttl_s, timeout_s, environ.get(KV_TIERS_PASSWORD_ENV))
-        )
+        password = environ.get(KV_TIERS_PASSWORD_ENV)
+        tenant_cap = config.tenant_capacity_mb * 2**20
+        tiers.append(RedisTier.from_url(config.shared_url, config.ttl_s, timeout_s, password, tenant_cap))
     return TierSet(tiers)
 
 

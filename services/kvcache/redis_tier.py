@@ -6,27 +6,86 @@ recently used segments and nothing else. `put` is `SET NX EX ttl` (content-addre
 writer wins, later ones have nothing to add); `get` is `GETEX ... EX ttl`, so a hit keeps its segment alive.
 Every call has the client's socket timeout: a Redis that accepts connections but never answers costs at
 most that, and raises TierUnavailable like one that is down.
+
+Per-tenant byte caps (`tenant_capacity_bytes`): each tenant tag (the key's third field) gets an index of
+its segments by last use (a sorted set), their sizes (a hash) and its byte count, under
+`kv1-tenant:<tag>:*`. A put that takes a tenant past its cap removes that tenant's least recently used
+segments, and only its own, in the same Lua script (atomic, one round trip); a hit moves its segment to
+the end. The count can only overstate: a segment the Redis expired or evicted by itself is still counted
+until the tenant's own evictions reach it, so a tenant never holds more than its cap through this tier. The
+script touches keys it does not declare, so this backend wants a single Redis, not a Redis Cluster.
 """
 
 from __future__ import annotations
 
+import time
+
 import redis
 
+from services.kvcache.segment import tenant_of
 from services.kvcache.tier import TierUnavailable
+
+TENANT_PREFIX = "kv1-tenant"
 
 _FAILURES = (redis.RedisError, OSError)
 
 
+# KEYS: the segment, the tenant's index, sizes and byte count. ARGV: value, ttl, cap, now.
+# Returns {stored (0/1), segments evicted}.
+_PUT_CAPPED = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return {0, 0} end
+local size = string.len(ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[4], KEYS[1])
+redis.call('HSET', KEYS[3], KEYS[1], size)
+local used = redis.call('INCRBY', KEYS[4], size)
+local evicted = 0
+while used > tonumber(ARGV[3]) do
+  local oldest = redis.call('ZPOPMIN', KEYS[2])
+  if #oldest == 0 then break end
+  local n = tonumber(redis.call('HGET', KEYS[3], oldest[1]) or '0')
+  redis.call('HDEL', KEYS[3], oldest[1])
+  redis.call('UNLINK', oldest[1])
+  used = redis.call('DECRBY', KEYS[4], n)
+  evicted = evicted + 1
+end
+for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+return {1, evicted}
+"""
+
+# KEYS: the segment, the tenant's index, sizes and byte count.
+_DELETE_CAPPED = """
+local n = tonumber(redis.call('HGET', KEYS[3], KEYS[1]) or '0')
+redis.call('UNLINK', KEYS[1])
+redis.call('ZREM', KEYS[2], KEYS[1])
+redis.call('HDEL', KEYS[3], KEYS[1])
+if n > 0 then redis.call('DECRBY', KEYS[4], n) end
+return n
+"""
+
+
 class RedisTier:
     name = "shared"
-    evictions = 0  # the Redis evicts by itself (allkeys-lru): its INFO stats count them
 
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: int, tenant_capacity_bytes: int = 0) -> None:
+        """`tenant_capacity_bytes`: each tenant's most bytes here (0: no cap, the Redis's LRU alone)."""
         self.client = client
         self.ttl_s = ttl_s
+        self.tenant_capacity_bytes = tenant_capacity_bytes
+        self.evictions = (
+            0  # segments removed for a tenant's cap; the Redis's own LRU evictions are its INFO's
+        )
+        self._put_capped = client.register_script(_PUT_CAPPED)
+        self._delete_capped = client.register_script(_DELETE_CAPPED)
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int, timeout_s: float, password: str | None = None) -> RedisTier:
+    def from_url(
+        cls,
+        url: str,
+        ttl_s: int,
+        timeout_s: float,
+        password: str | None = None,
+        tenant_capacity_bytes: int = 0,
+    ) -> RedisTier:
         """A client for `url` (redis:// or rediss:// for TLS) whose every call gives up after `timeout_s`."""
         client = redis.Redis.from_url(
             url,
@@ -35,18 +94,38 @@ class RedisTier:
             socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
         )
-        return cls(client, ttl_s)
+        return cls(client, ttl_s, tenant_capacity_bytes)
 
     def get(self, key: str) -> bytes | None:
         try:
-            value = self.client.getex(key, ex=self.ttl_s)
+            if not self.tenant_capacity_bytes:
+                value = self.client.getex(key, ex=self.ttl_s)
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.getex(key, ex=self.ttl_s)
+                pipe.zadd(_tenant_keys(key)[0], {key: time.time()}, xx=True)  # now its most recent
+                value, _ = pipe.execute()
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
         return value if isinstance(value, bytes) else None
 
     def put(self, key: str, value: bytes) -> bool:
         try:
-            return bool(self.client.set(key, value, nx=True, ex=self.ttl_s))
+            if not self.tenant_capacity_bytes:
+                return bool(self.client.set(key, value, nx=True, ex=self.ttl_s))
+            keys = [key, *_tenant_keys(key)]
+            stored, evicted = self._put_capped(
+                keys=keys, args=[value, self.ttl_s, self.tenant_capacity_bytes, time.time()]
+            )
+        except _FAILURES as exc:
+            raise TierUnavailable(f"shared tier: {exc}") from exc
+        self.evictions += int(evicted)
+        return bool(stored)
+
+    def tenant_bytes(self, tag: str) -> int:
+        """The bytes counted against tenant `tag`'s cap (0 without caps)."""
+        try:
+            return int(self.client.get(f"{TENANT_PREFIX}:{tag}:bytes") or 0)
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
 
@@ -61,7 +140,10 @@ class RedisTier:
 
     def delete(self, key: str) -> None:
         try:
-            self.client.unlink(key)
+            if self.tenant_capacity_bytes:
+                self._delete_capped(keys=[key, *_tenant_keys(key)])
+            else:
+                self.client.unlink(key)
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
 
@@ -70,3 +152,9 @@ class RedisTier:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _tenant_keys(key: str) -> list[str]:
+    """The index (sorted set), sizes (hash) and byte count of the tenant `key` belongs to."""
+    prefix = f"{TENANT_PREFIX}:{tenant_of(key)}"
+    return [f"{prefix}:index", f"{prefix}:sizes", f"{prefix}:bytes"]

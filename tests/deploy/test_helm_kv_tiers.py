@@ -61,6 +61,7 @@ COMBOS: dict[str, dict[str, Any]] = {
             "fetchDeadlineMs": 800,
             "writeMbPerS": 64.5,
             "hostCapacityMb": 2048,
+            "tenantCapacityMb": 512,
             "disk": {"hostPath": "", "capacityMb": 4096},
             "cacheRedis": {"maxMemory": "6gb", "tls": {"enabled": True}, "auth": {"existingSecret": "kv-pw"}},
         },
@@ -88,6 +89,7 @@ EXPECTED = {
         "fetch_deadline_ms": 1000,
         "write_mb_per_s": 256.0,
         "host_capacity_mb": 0,
+        "tenant_capacity_mb": 0,
     },
     "paired-tls": {
         "disk_path": "/var/lib/kvrelay/kv-tiers",
@@ -99,6 +101,7 @@ EXPECTED = {
         "fetch_deadline_ms": 800,
         "write_mb_per_s": 64.5,
         "host_capacity_mb": 2048,
+        "tenant_capacity_mb": 512,
     },
 }
 

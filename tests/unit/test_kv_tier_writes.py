@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.common.block_hash import hash_token_blocks
@@ -205,3 +206,48 @@ def test_a_lookup_past_its_deadline_recomputes_and_its_result_is_dropped(tmp_pat
     disk.gate.set()  # the lookup ends now, unread
     second.check_invariants()
     second.close()
+
+
+def _flip_last_byte(value: bytes) -> bytes:
+    return value[:-1] + bytes([value[-1] ^ 0xFF])
+
+
+def _foreign_block_size(value: bytes) -> bytes:
+    """The same bytes under a header that names another block size (a value from another deployment)."""
+    return value.replace(f'"block_size":{BLOCK}'.encode(), f'"block_size":{BLOCK * 2}'.encode())
+
+
+DAMAGE = {
+    "corrupted": _flip_last_byte,  # the payload's checksum differs
+    "truncated": lambda value: value[: len(value) // 2],
+    "foreign": _foreign_block_size,
+    "evicted": None,  # gone from the tier
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("segment", [0, 1])
+def test_a_damaged_foreign_or_missing_segment_is_a_miss_that_recomputes(
+    tmp_path: Path, damage: str, segment: int
+) -> None:
+    """Two segments written through; one is then damaged on disk. A fresh engine uses the run before it
+    (segment 1 damaged: segment 0 still loads), recomputes the rest, and answers with the same tokens."""
+    prompt, cold_tokens = written_through(tmp_path)
+    hashes = hash_token_blocks(make_fake_engine(block_size=BLOCK).root_hash, prompt, BLOCK, b"")
+    key = segment_key(NS, b"", hashes[(segment + 1) * SEGMENT // BLOCK - 1])
+    path = DiskTier(tmp_path, 1 << 30)._path(key)
+    mutate = DAMAGE[damage]
+    if mutate is None:
+        path.unlink()
+    else:
+        path.write_bytes(mutate(path.read_bytes()))
+    engine, _, _, reads = engine_with_tiers(tmp_path)
+    tokens, cached = answer(engine, "b", prompt, b"")
+    assert tokens == cold_tokens
+    assert cached == segment * SEGMENT
+    stats = reads.tiers.report().stats
+    assert stats.corrupt["disk"] == (0 if mutate is None else 1)
+    engine.check_invariants()
+    engine.close()  # the writes finish: the recomputed segment is written through again, whole
+    seg_hashes = hashes[segment * SEGMENT // BLOCK : (segment + 1) * SEGMENT // BLOCK]
+    assert decode(path.read_bytes(), NS, b"", segment * SEGMENT, seg_hashes)

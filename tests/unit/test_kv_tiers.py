@@ -133,6 +133,24 @@ def test_the_shared_tier_drops_least_recently_used_under_its_maxmemory(cache_red
     tier.close()
 
 
+def test_a_tenant_over_its_cap_loses_its_own_least_recently_used_segments_only(cache_redis: str) -> None:
+    tier = RedisTier.from_url(cache_redis, ttl_s=60, timeout_s=1.0, tenant_capacity_bytes=3000)
+    tier.client.flushdb()
+    a, b = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
+    assert tier.put(key(100, b), bytes(1000))  # tenant B: under its cap
+    for i in range(3):
+        assert tier.put(key(i, a), bytes(1000))  # tenant A: at its cap
+    assert tier.get(key(0, a)) is not None  # A's first segment is now its most recent
+    assert tier.put(key(3, a), bytes(1000))  # over: A's least recently used (key 1) goes
+    assert tier.contains([key(i, a) for i in range(4)]) == [True, False, True, True]
+    assert tier.contains([key(100, b)]) == [True]  # never another tenant's
+    assert (tier.tenant_bytes(a), tier.tenant_bytes(b), tier.evictions) == (3000, 1000, 1)
+    tier.delete(key(3, a))  # a refused value leaves the count too
+    assert tier.tenant_bytes(a) == 2000 and tier.contains([key(3, a)]) == [False]
+    assert not tier.put(key(0, a), bytes(1000)) and tier.tenant_bytes(a) == 2000  # stored once, counted once
+    tier.close()
+
+
 def test_a_stopped_shared_tier_is_unavailable_not_an_error() -> None:
     tier = RedisTier.from_url(f"redis://127.0.0.1:{free_port()}/0", ttl_s=60, timeout_s=0.5)
     with pytest.raises(TierUnavailable):
