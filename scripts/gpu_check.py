@@ -42,6 +42,9 @@ Stages, in the default order (most value first; cheap ones early):
  11 cancel      a storm of 64 long requests stepped a few times and aborted: every KV block back in the
                 pool and torch.cuda.memory_allocated back to its level after a warm-up (within 2 KiB:
                 the runner's last picks; see `stage_cancel`)
+  12 tiers       the host KV tier below the device pool: a prompt's four 64-token segments written through to
+                host memory, the pool emptied, the same prompt again loading them: the fp32 greedy tokens
+                equal the cold answer's, 256 cached tokens; the fetch rate (< 30 s)
   9 ipc         a 256 MiB (--ipc-mib) CUDA IPC transfer between two processes on one GPU through
                 services/kvtransfer/ipc_transport.py: this process fills and `share`s a buffer, a fresh
                 interpreter `open_shared`s it and copies it out; device checksums and IPC domains equal on
@@ -60,7 +63,7 @@ fork) that import this file, for its sys.path, and call a function of gpu_check_
 
 This file holds the arguments, the stage table and the loop; the stages live beside it, imported by module
 name (scripts/ is sys.path[0] when this runs as a script): gpu_check_model.py (the shapes, model builders
-and stages 0 to 5 and 8), gpu_check_kernels.py (6, 7) and gpu_check_transfer.py (9 to 11). This file puts
+and stages 0 to 5 and 8), gpu_check_kernels.py (6, 7) and gpu_check_transfer.py (9 to 12). This file puts
 the repository root on sys.path before importing them; they import `services` inside their functions.
 
 Exit status 0 when every stage that ran passed its checks (`ok` in its JSON), 1 otherwise.
@@ -98,11 +101,11 @@ from gpu_check_model import (
     stage_smoke,
     stage_speed,
 )
-from gpu_check_transfer import stage_cancel, stage_ipc, stage_nccl
+from gpu_check_transfer import stage_cancel, stage_ipc, stage_nccl, stage_tiers
 
 gpu_check_wheels.register_trace()  # a no-op unless KVRELAY_IMPORT_TRACE is set (children too)
 
-DEFAULT_STAGES = "0,1,2,4,6,7,8,3,11,9,10,5"
+DEFAULT_STAGES = "0,1,2,4,6,7,8,3,11,12,9,10,5"
 PROBED = ("torch", "triton", "transformers", "numpy", "protobuf", "grpcio", "pydantic", "pydantic-core",
           "safetensors", "pyyaml", "prometheus-client", "llguidance")  # fmt: skip
 BUNDLE = "gpu_check.tar.gz"
@@ -138,6 +141,7 @@ STAGES: dict[int, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = 
     9: ("ipc", stage_ipc),
     10: ("nccl", stage_nccl),
     11: ("cancel", stage_cancel),
+    12: ("tiers", stage_tiers),
 }
 
 

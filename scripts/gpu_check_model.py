@@ -66,8 +66,10 @@ def build_hf(shape: str, device: str, dtype: Any, seed: int = 0, **overrides: An
     return model
 
 
-def build_engine(hf_model: Any, device: str, dtype: str, **engine: Any) -> Any:
-    """kvrelay's engine over the same weights, handed over as a state dict (no disk)."""
+def build_engine(hf_model: Any, device: str, dtype: str, kv_tiers: dict[str, Any] | None = None, **engine: Any
+                 ) -> Any:  # fmt: skip
+    """kvrelay's engine over the same weights, handed over as a state dict (no disk); `kv_tiers`: the
+    KV tiers below its pool (none by default)."""
     from services.common.config import KvrelayConfig
     from services.engine.loading.factory import build_core_from_loaded
     from services.engine.loading.loader import load_state_dict
@@ -81,6 +83,7 @@ def build_engine(hf_model: Any, device: str, dtype: str, **engine: Any) -> Any:
     settings = {
         "engine": {"device": device, "enable_prefix_caching": False, **engine},
         "model": {"dtype": dtype},
+        "kv_tiers": kv_tiers or {},
     }
     return build_core_from_loaded(loaded, KvrelayConfig.model_validate(settings))
 

@@ -297,3 +297,63 @@ def _allocated(cuda: bool) -> int | None:
     torch.cuda.synchronize()
     gc.collect()
     return int(torch.cuda.memory_allocated())
+
+
+TIER_SEGMENT = 64
+TIER_SEGMENTS = 4
+
+
+def stage_tiers(args: argparse.Namespace) -> dict[str, Any]:
+    """The host tier below the device pool (services/kvcache/host_tier.py): a prompt of four 64-token
+    segments and one more token, answered greedily in fp32 (TF32 off), its segments written through from
+    the pool to host memory; the pool emptied; the same prompt again, its KV fetched from the host tier and
+    placed into fresh device blocks. The tokens must equal the cold answer's, with all four segments loaded
+    (256 cached tokens). Reports the write-through and fetch rates (host tier bytes over their times)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    shape = args.check_shape
+    cuda = args.device.startswith("cuda")
+    gc.collect()
+    torch.cuda.empty_cache() if cuda else None
+    layers = min(4, SHAPES[shape]["num_hidden_layers"])
+    hf = build_hf(shape, args.device, torch.float32, num_hidden_layers=layers, initializer_range=0.2)
+    tiers = {"host_capacity_mb": 1024, "segment_tokens": TIER_SEGMENT, "fetch_deadline_ms": 30_000}
+    core = build_engine(hf, args.device, "float32", kv_tiers=tiers, enable_prefix_caching=True,
+                        gpu_memory_utilization=0.3, kv_cache_memory_mb=64)  # fmt: skip
+    (prompt,) = random_prompts(1, TIER_SEGMENT * TIER_SEGMENTS + 1, SHAPES[shape]["vocab_size"], 12)
+    started = time.perf_counter()
+    cold, cold_cached = _answer(core, "cold", prompt)
+    written = core.tiers.writes.writer.wait_idle(30)
+    write_s = time.perf_counter() - started
+    emptied = core.reset_prefix_cache()
+    started = time.perf_counter()
+    warm, warm_cached = _answer(core, "warm", prompt)
+    warm_s = time.perf_counter() - started
+    report = core.tiers.report()
+    stats, (host,) = report.stats, report.tiers
+    fetch_s = stats.fetch_seconds_sum.get("host", 0.0)
+    expected = TIER_SEGMENT * TIER_SEGMENTS
+    core.close()
+    return {
+        "ok": written and emptied and warm == cold and warm_cached == expected and cold_cached == 0,
+        "tokens_equal": warm == cold, "cold_cached_tokens": cold_cached, "warm_cached_tokens": warm_cached,
+        "fetched_tokens": stats.fetched_tokens, "host_bytes": host.used_bytes,
+        "hits": stats.hits.get("host", 0), "fetch_s": fetch_s,
+        "fetch_gb_per_s": stats.bytes_read.get("host", 0) / fetch_s / 1e9 if fetch_s else None,
+        "cold_with_write_through_s": write_s, "warm_s": warm_s,
+    }  # fmt: skip
+
+
+def _answer(core: Any, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    """16 greedy tokens for `prompt`, and the prompt tokens the engine did not compute."""
+    from services.common.sampling import SamplingParams
+
+    core.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    tokens, cached = [], -1
+    while core.has_work():
+        for output in core.step():
+            tokens += output.new_token_ids
+            cached = output.num_cached_tokens
+    return tokens, cached

@@ -20,10 +20,11 @@ def make_engine(
     dtype: str = "float32",
     batch_size_limit: int = 32,
     weights: str = "safetensors",
+    kv_tiers: dict[str, Any] | None = None,
     **engine: Any,
 ) -> EngineCore:
     """An engine over `model_dir`; `weights` (model.weights) is explicit so a test never changes path when
-    the default `auto` does."""
+    the default `auto` does. `kv_tiers`: settings of the KV tiers below its pool (none by default)."""
     cfg = load_config(None, env={})
     model = {"path": str(model_dir), "dtype": dtype, "weights": weights}
     cfg = cfg.model_copy(
@@ -31,6 +32,7 @@ def make_engine(
             "model": cfg.model.model_copy(update=model),
             "engine": cfg.engine.model_copy(update=engine),
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
+            "kv_tiers": cfg.kv_tiers.model_copy(update=kv_tiers or {}),
         }
     )
     return build_core(cfg)

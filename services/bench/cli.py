@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from services.bench import agreement, engine, grammar, peers, stack, threshold
+from services.bench import agreement, engine, grammar, kv_tiers, peers, stack, threshold
 from services.bench.admission import command as admission
 from services.bench.routing import command as routing
 from services.bench.serve import command as serve
@@ -29,6 +29,7 @@ SUBCOMMANDS = (
     peers,
     grammar,
     threshold,
+    kv_tiers,
 )
 
 

@@ -239,6 +239,33 @@ def plot_routing(result: dict[str, Any], path: Path) -> None:
     _save(fig, path, 110)
 
 
+# -- bench kv-tiers ------------------------------------------------------------------------------------
+
+
+def plot_kv_tiers(result: dict[str, Any], path: Path) -> None:
+    """Per phase (warm, restart, rescale), one bar per side: TTFT p50, TTFT p99 and the prefix hit rate."""
+    plt = _pyplot()
+    sides = result["sides"]
+    phases = list(next(iter(sides.values()))) if sides else []
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    for ax, key, scale, unit in (
+        (axes[0], "ttft_p50_s", 1000, "TTFT p50 (ms)"),
+        (axes[1], "ttft_p99_s", 1000, "TTFT p99 (ms)"),
+        (axes[2], "hit_rate", 100, "cached / prompt tokens (%)"),
+    ):
+        series = {
+            side: _scaled([by_phase[p][key] for p in phases], scale) for side, by_phase in sides.items()
+        }
+        _grouped_bars(ax, phases, series, "%.0f", headroom=True)
+        ax.set_ylabel(unit)
+    w = result["workload"]
+    fig.suptitle(
+        f"kvrelay bench kv-tiers: {w['sessions']} sessions x {w['turns']} turns; restart = worker-0 killed, "
+        "rescale = worker-1 added (round-robin)"
+    )
+    _save(fig, path, 110)
+
+
 # -- bench transfer ------------------------------------------------------------------------------------
 
 

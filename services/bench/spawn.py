@@ -191,14 +191,14 @@ class UpStack:
         return self.services.stop()
 
 
-def start_up_stack(settings: UpSettings) -> UpStack:
-    """The services `kvrelay up` would run for `settings`, started and healthy."""
+def up_plan(settings: UpSettings) -> StackPlan:
+    """What `kvrelay up --port 0` plans for `settings`: ports, the config file, the thread split, a token."""
     settings.logs.mkdir(parents=True, exist_ok=True)
     cfg = load_config(settings.config, env={})
     workers = plan_workers(settings.mode, settings.workers)
     ports = derive_ports(0, len(workers), free_ports, tuple(w.name for w in workers))
     model_dir = settings.model.resolve()
-    plan = StackPlan(
+    return StackPlan(
         host=INTERNAL_HOST,
         ports=ports,
         config_path=write_stack_config(settings.logs, cfg, model_dir, INTERNAL_HOST, ports.codec),
@@ -209,6 +209,15 @@ def start_up_stack(settings: UpSettings) -> UpStack:
         worker_roles=tuple(w.role for w in workers),
         tls=cfg.internal_tls,
     )
-    specs = [replace(s, log_path=settings.logs / f"{s.name}.log") for s in build_specs(plan)]
-    services = SupervisedStack(specs, settings.grace_s).start()
-    return UpStack(public_url(INTERNAL_HOST, ports.codec), plan, services)
+
+
+def up_specs(plan: StackPlan, logs: Path) -> list[ServiceSpec]:
+    """The services of `plan`, each logging to `<logs>/<name>.log`."""
+    return [replace(s, log_path=logs / f"{s.name}.log") for s in build_specs(plan)]
+
+
+def start_up_stack(settings: UpSettings) -> UpStack:
+    """The services `kvrelay up` would run for `settings`, started and healthy."""
+    plan = up_plan(settings)
+    services = SupervisedStack(up_specs(plan, settings.logs), settings.grace_s).start()
+    return UpStack(public_url(INTERNAL_HOST, plan.ports.codec), plan, services)

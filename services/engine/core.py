@@ -88,12 +88,17 @@ class _InFlight:
         return any(t.request.params.has_penalties or t.request.matcher is not None for t in self.tokens)
 
 
+LOOKUP_WAIT_S = 0.01  # a step that ran nothing waits this long at most for a tier lookup to end
+
+
 class TiersBelow(BelowPool, Protocol):
     """The KV tiers below the pool as the core drives them (engine/kv_tiers.py KVTiers)."""
 
     def observe_step(self, num_tokens: int, seconds: float) -> None: ...
 
     def set_wake(self, wake: Callable[[], None] | None) -> None: ...
+
+    def wait_lookups(self, timeout_s: float) -> None: ...
 
     def report(self) -> TierReport: ...
 
@@ -377,6 +382,8 @@ class EngineCore:
             return self._overlapped_step() if self.overlap else self._plain_step()
         finally:
             self._stalled = self.num_steps == num_steps and self._in_flight is None
+            if self._stalled and self.tiers is not None:
+                self.tiers.wait_lookups(LOOKUP_WAIT_S)
 
     def is_stalled(self) -> bool:
         """Whether the last `step` had work but could run none of it: its waiting requests cannot be

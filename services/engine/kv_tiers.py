@@ -21,6 +21,7 @@ request's new blocks before its first chunk, which then starts after them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,6 +119,7 @@ class SegmentReads:
         self.timeout_s = timeout_s
         self.device = device
         self.on_ready: Callable[[], None] | None = None  # called on a lookup thread as each lookup ends
+        self._ended = threading.Event()  # set as each lookup ends (`wait_lookups`)
         self._lookups: dict[SeqId, _Lookup] = {}
         self._threads = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-tier-lookup")
 
@@ -137,9 +139,19 @@ class SegmentReads:
         deadline = time.monotonic() + self.timeout_s
         future = self._threads.submit(self._fetch, request.cache_salt, first, spans, deadline)
         self._lookups[request.seq_id] = _Lookup(first, future, deadline)
+        future.add_done_callback(self._lookup_ended)
+
+    def _lookup_ended(self, _: Future[torch.Tensor | None]) -> None:
+        self._ended.set()
         if self.on_ready is not None:
-            on_ready = self.on_ready
-            future.add_done_callback(lambda _: on_ready())
+            self.on_ready()
+
+    def wait_lookups(self, timeout_s: float) -> None:
+        """Block until a lookup ends (or `timeout_s`), if any is running: a driver whose step could run
+        nothing sleeps here instead of spinning against the lookup threads for the GIL."""
+        if any(not lookup.future.done() for lookup in self._lookups.values()):
+            self._ended.wait(timeout_s)
+        self._ended.clear()
 
     def is_looking(self, request: Request) -> bool:
         """Whether the request's lookup is still running, within its deadline."""
@@ -229,6 +241,9 @@ class KVTiers:
 
     def set_wake(self, wake: Callable[[], None] | None) -> None:
         self.reads.on_ready = wake
+
+    def wait_lookups(self, timeout_s: float) -> None:
+        self.reads.wait_lookups(timeout_s)
 
     def report(self) -> TierReport:
         return self.tiers.report()

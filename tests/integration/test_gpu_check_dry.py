@@ -26,7 +26,7 @@ import gpu_check_wheels
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.py"
 BLOCKER = REPO_ROOT / "tests" / "import_blocker"
 STAGES = ["0_smoke", "1_copy", "2_identity", "4_speed", "6_kernels", "7_attention", "8_graphs", "3_cosine",
-          "11_cancel", "9_ipc", "10_nccl", "5_baseline"]  # fmt: skip
+          "11_cancel", "12_tiers", "9_ipc", "10_nccl", "5_baseline"]  # fmt: skip
 
 
 class DryRun(NamedTuple):
@@ -105,6 +105,12 @@ def test_a_dry_run_on_the_cpu_runs_every_stage_without_the_missing_packages(dry_
     assert all(kernels[case]["max_abs_error"] <= 2e-2 for case in kernels if isinstance(kernels[case], dict))
     ratios = [case["fp32_one_key_ratio"] for case in kernels.values() if isinstance(case, dict)]
     assert len(ratios) == 5 and max(ratios) <= kernels["one_key_limit"] / 10
+    tiers = summary["12_tiers"]  # the host tier below the pool: the same tokens from loaded KV
+    assert (
+        tiers["ok"]
+        and tiers["tokens_equal"]
+        and tiers["warm_cached_tokens"] == tiers["fetched_tokens"] == 256
+    )
     attention = summary["7_attention"]
     assert attention["b64_auto"]["triton_us"] > 0 and attention["b64_split"]["torch_native_us"] > 0
 

@@ -13,12 +13,10 @@ from typing import Any, cast
 import pytest
 
 from services.common.cache_redis import start_cache_redis, stop_cache_redis
-from services.common.config import load_config
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
 from services.engine.kv_tiers import KVTiers
-from services.engine.loading.factory import build_core
-from tests.engine_helpers import drain
+from tests.engine_helpers import drain, make_engine
 from tests.fault_proxy import CUT, PASS, SILENT, SLOW, FaultProxy
 from tests.integration.test_engine_identity import FIXTURE, assert_matches
 from tests.ports import free_port
@@ -54,23 +52,13 @@ def proxy() -> Iterator[FaultProxy]:
 
 
 def build(model_dir: Path, proxy: FaultProxy) -> EngineCore:
-    cfg = load_config(None, env={})
-    cfg = cfg.model_copy(
-        update={
-            "model": cfg.model.model_copy(
-                update={"path": str(model_dir), "dtype": "float32", "weights": "safetensors"}
-            ),
-            "kv_tiers": cfg.kv_tiers.model_copy(
-                update={
-                    "shared_url": f"redis://127.0.0.1:{proxy.port}/0",
-                    "segment_tokens": SEGMENT,
-                    "timeout_ms": 1500,  # a silent tier costs this per call
-                    "fetch_deadline_ms": 60_000,  # a slow tier is left to the cost model, not the deadline
-                }
-            ),
-        }
-    )
-    return build_core(cfg)
+    tiers = {
+        "shared_url": f"redis://127.0.0.1:{proxy.port}/0",
+        "segment_tokens": SEGMENT,
+        "timeout_ms": 1500,  # a silent tier costs this per call
+        "fetch_deadline_ms": 60_000,  # a slow tier is left to the cost model, not the deadline
+    }
+    return make_engine(model_dir, kv_tiers=tiers)
 
 
 def answer(core: EngineCore, rid: str, case: dict[str, Any]) -> int:

@@ -11,28 +11,17 @@ import pytest
 import torch
 
 from services.common.block_hash import hash_token_blocks
-from services.common.config import load_config
 from services.common.sampling import SamplingParams
-from services.engine.loading.factory import build_core
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import Namespace, decode, segment_key
-from tests.engine_helpers import drain, run_to_completion
+from tests.engine_helpers import drain, make_engine, run_to_completion
 from tests.integration.test_engine_identity import FIXTURE, assert_matches, submit
 
 pytestmark = pytest.mark.model
 
 
 def test_a_finished_request_is_written_through_with_its_exact_kv(model_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, env={})
-    cfg = cfg.model_copy(
-        update={
-            "model": cfg.model.model_copy(
-                update={"path": str(model_dir), "dtype": "float32", "weights": "safetensors"}
-            ),
-            "kv_tiers": cfg.kv_tiers.model_copy(update={"disk_path": str(tmp_path), "segment_tokens": 32}),
-        }
-    )
-    core = build_core(cfg)
+    core = make_engine(model_dir, kv_tiers={"disk_path": str(tmp_path), "segment_tokens": 32})
     prompt = list(range(100, 170))  # 70 tokens: two whole segments of the prompt
     core.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=b"tenant-a")
     run_to_completion(core)
@@ -45,9 +34,7 @@ def test_a_finished_request_is_written_through_with_its_exact_kv(model_dir: Path
     core.close()  # lets the writer finish
     disk = DiskTier(tmp_path, 1 << 30)
     # The same prompt again, cold, in a fresh engine with no tiers: the KV each segment must hold.
-    cold = build_core(
-        cfg.model_copy(update={"kv_tiers": cfg.kv_tiers.model_copy(update={"disk_path": None})})
-    )
+    cold = make_engine(model_dir)
     held = SamplingParams(
         max_tokens=2, temperature=0.0, ignore_eos=True
     )  # still holds its blocks after a step
@@ -79,20 +66,11 @@ def test_a_restarted_worker_reads_its_prefixes_back_from_disk_with_the_same_gree
     cases = long_cases[:2]  # the two shortest past 500 tokens: a segment each, and a test of seconds
     assert len(cases) == 2
     num_tokens = fixture["num_new_tokens"]
-    cfg = load_config(None, env={})
-    cfg = cfg.model_copy(
-        update={
-            "model": cfg.model.model_copy(
-                update={"path": str(model_dir), "dtype": "float32", "weights": "safetensors"}
-            ),
-            "kv_tiers": cfg.kv_tiers.model_copy(update={"disk_path": str(tmp_path)}),
-        }
-    )
-    first = build_core(cfg)
+    first = make_engine(model_dir, kv_tiers={"disk_path": str(tmp_path)})
     submit(first, cases, "cold", num_tokens)
     cold = run_to_completion(first)
     first.close()
-    second = build_core(cfg)
+    second = make_engine(model_dir, kv_tiers={"disk_path": str(tmp_path)})
     submit(second, cases, "warm", num_tokens)
     outputs = drain(second)
     warm: dict[str, list[int]] = {}

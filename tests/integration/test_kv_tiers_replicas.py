@@ -3,8 +3,8 @@ own role (started as `kvrelay up` starts it, services/common/cache_redis.py), sp
 
 A worker answers a fixture prompt for tenant A and writes its segments through; tenant B's identical
 prompt finds none of them; the worker restarted, and a second replica, load A's prefix from the shared tier
-and answer with the fixture's greedy tokens; a prefill replica loads it and ships it to a decode replica;
-and with the cache Redis stopped every request is still answered, on the no-cache path.
+and answer with the fixture's greedy tokens; a prefill replica loads it and ships it to a decode replica.
+A cache that stops or misbehaves: tests/integration/test_kv_tier_faults_model.py.
 """
 
 from __future__ import annotations
@@ -190,24 +190,3 @@ def test_a_prefill_replica_loads_the_prefix_and_ships_it_to_decode(
     workers.stop(router)
     workers.stop(prefill)
     workers.stop(decode)
-
-
-def test_with_the_cache_stopped_every_request_is_answered_without_it(
-    workers: Workers, model_dir: Path, case: dict[str, Any]
-) -> None:
-    port = free_port()
-    proc = start_cache_redis(port, maxmemory_mb=64)
-    alone = Workers(model_dir, workers.logs, port)
-    try:
-        worker = alone.start("no-cache")
-        stop_cache_redis(proc)  # stopped: every call fails at once
-        tokens, last = generate(worker, "no-cache", case, A)
-        assert_matches(case, tokens)
-        assert last.num_cached_tokens == 0
-        # Its failed lookup and writes open the breaker: the tier is not asked for a while.
-        wait_until(lambda: not shared(worker).up, 60, "the shared tier's breaker opening")
-        tokens, _ = generate(worker, "no-cache-again", case, A)
-        assert_matches(case, tokens)
-        assert shared(worker).unavailable >= 3
-    finally:
-        alone.stop()

@@ -100,6 +100,7 @@ class ServiceStatus:
     steps_by_path: dict[str, int] | None = None
     # Workers only: the KV tiers below the pool (name, up, hits, misses, bytes, ...: worker.proto KVTier).
     kv_tiers: list[dict[str, Any]] | None = None
+    kv_tier_fetched_tokens_total: int | None = None
 
 
 class Backend(Protocol):
