@@ -31,6 +31,15 @@ def fixture(model_dir: Path) -> dict[str, Any]:
     return data
 
 
+def long_cases(count: int) -> list[dict[str, Any]]:
+    """The fixture's `count` shortest cases past 500 prompt tokens: a few KV segments each, seconds to
+    compute (the KV tier tests)."""
+    cases = json.loads(FIXTURE.read_text())["cases"]
+    return sorted(
+        (c for c in cases if len(c["prompt_token_ids"]) >= 500), key=lambda c: len(c["prompt_token_ids"])
+    )[:count]
+
+
 def params(num_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens)
 

@@ -5,7 +5,6 @@ the fixture's greedy tokens, the breaker opens, and it closes when the tier answ
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -18,7 +17,7 @@ from services.engine.core import EngineCore
 from services.engine.kv_tiers import KVTiers
 from tests.engine_helpers import drain, make_engine
 from tests.fault_proxy import CUT, PASS, SILENT, SLOW, FaultProxy
-from tests.integration.test_engine_identity import FIXTURE, assert_matches
+from tests.integration.test_engine_identity import assert_matches, long_cases
 from tests.ports import free_port
 from tests.stack_helpers import wait_until
 
@@ -30,10 +29,7 @@ NUM_TOKENS = 16  # the fixture's first tokens: enough to tell wrong KV from righ
 
 @pytest.fixture(scope="module")
 def case() -> dict[str, Any]:
-    cases = json.loads(FIXTURE.read_text())["cases"]
-    full = min(
-        (c for c in cases if len(c["prompt_token_ids"]) >= 500), key=lambda c: len(c["prompt_token_ids"])
-    )
+    (full,) = long_cases(1)
     return {
         **full,
         "output_token_ids": full["output_token_ids"][:NUM_TOKENS],

@@ -4,18 +4,21 @@ the same greedy tokens."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
 from services.common.block_hash import hash_token_blocks
 from services.common.sampling import SamplingParams
+from services.engine.kv_tiers import KVTiers
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import Namespace, decode, segment_key
 from tests.engine_helpers import drain, make_engine, run_to_completion
-from tests.integration.test_engine_identity import FIXTURE, assert_matches, submit
+from tests.integration.test_engine_identity import assert_matches, long_cases, submit
+
+NUM_NEW_TOKENS = 64  # the fixture's
 
 pytestmark = pytest.mark.model
 
@@ -58,14 +61,9 @@ def test_a_restarted_worker_reads_its_prefixes_back_from_disk_with_the_same_gree
     """Token identity through the disk tier: the fixture's two shortest prompts past 500 tokens, answered
     by an engine that wrote them through, then by a fresh one (a restart: an empty pool, the same disk)
     that reads them back."""
-    fixture = json.loads(FIXTURE.read_text())
-    long_cases = sorted(
-        (c for c in fixture["cases"] if len(c["prompt_token_ids"]) >= 500),
-        key=lambda c: len(c["prompt_token_ids"]),
-    )
-    cases = long_cases[:2]  # the two shortest past 500 tokens: a segment each, and a test of seconds
+    cases = long_cases(2)
     assert len(cases) == 2
-    num_tokens = fixture["num_new_tokens"]
+    num_tokens = NUM_NEW_TOKENS
     first = make_engine(model_dir, kv_tiers={"disk_path": str(tmp_path)})
     submit(first, cases, "cold", num_tokens)
     cold = run_to_completion(first)
@@ -82,3 +80,24 @@ def test_a_restarted_worker_reads_its_prefixes_back_from_disk_with_the_same_gree
     cached = {o.request_id: o.num_cached_tokens for o in outputs if o.finish_reason is not None}
     assert all(cached[f"warm/{c['name']}"] >= 256 for c in cases), cached  # at least a segment each
     second.close()
+
+
+def test_the_host_tier_gives_a_prefix_back_after_the_pool_lost_it_with_the_same_greedy_tokens(
+    model_dir: Path,
+) -> None:
+    """Token identity through the host tier: the fixture's shortest prompt past 500 tokens, written through
+    to the worker's memory, the pool's prefix cache dropped, the prompt again: loaded, not recomputed."""
+    (case,) = long_cases(1)
+    core = make_engine(model_dir, kv_tiers={"host_capacity_mb": 256, "segment_tokens": 64})
+    answers = {}
+    for turn in ("cold", "from-host"):
+        assert core.reset_prefix_cache()
+        submit(core, [case], turn, NUM_NEW_TOKENS)
+        outputs = drain(core)
+        answers[turn] = ([t for o in outputs for t in o.new_token_ids], outputs[-1].num_cached_tokens)
+        assert cast(KVTiers, core.tiers).writes.writer.wait_idle(30)
+    assert_matches(case, answers["cold"][0])
+    assert_matches(case, answers["from-host"][0])
+    assert answers["cold"][1] == 0
+    assert answers["from-host"][1] == (len(case["prompt_token_ids"]) - 1) // 64 * 64
+    core.close()

@@ -9,7 +9,6 @@ A cache that stops or misbehaves: tests/integration/test_kv_tier_faults_model.py
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from services.common.sampling import SamplingParams
 from services.kvcache.segment import tenant_tag
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
-from tests.integration.test_engine_identity import FIXTURE, assert_matches
+from tests.integration.test_engine_identity import assert_matches, long_cases
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving, wait_until
 
 pytestmark = pytest.mark.model
@@ -116,10 +115,8 @@ def shared(address: str) -> pb.KVTier:
 @pytest.fixture(scope="module")
 def case(model_dir: Path) -> dict[str, Any]:
     """The fixture's shortest prompt past 500 tokens: several segments, seconds to compute."""
-    cases = json.loads(FIXTURE.read_text())["cases"]
-    return min(
-        (c for c in cases if len(c["prompt_token_ids"]) >= 500), key=lambda c: len(c["prompt_token_ids"])
-    )
+    (shortest,) = long_cases(1)
+    return shortest
 
 
 @pytest.fixture(scope="module")
