@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _file_arguments(add)
     add.add_argument("--tenant", required=True, help="the tenant the key authenticates as")
     add.add_argument("--admin", action="store_true", help="the key may also read /status (operators)")
+    add.add_argument(
+        "--cache-retention-24h",
+        action="store_true",
+        help='the key may ask for prompt_cache_retention "24h" (prefixes kept a day in the shared KV tier)',
+    )
     add.set_defaults(handler=add_key)
 
     show = actions.add_parser("list", help="the keys' IDs, tenants and creation times (no secrets)")
@@ -87,8 +92,9 @@ def add_key(args: argparse.Namespace) -> int:
     while key_id in taken:  # 48 random bits: practically never
         key_id, key = new_key()
     record = KeyRecord(
-        key_id=key_id, tenant=args.tenant, sha256=key_digest(key), created=now_iso(), admin=args.admin
-    )
+        key_id=key_id, tenant=args.tenant, sha256=key_digest(key), created=now_iso(), admin=args.admin,
+        cache_retention_24h=args.cache_retention_24h,
+    )  # fmt: skip
     write_keys_file(path, [*records, record])
     print(key)
     print(
@@ -102,15 +108,19 @@ def list_keys(args: argparse.Namespace) -> int:
     records = _records(keys_file(args))
     if args.json:
         rows = [
-            {"key_id": r.key_id, "tenant": r.tenant, "created": r.created, "admin": r.admin} for r in records
-        ]
+            {"key_id": r.key_id, "tenant": r.tenant, "created": r.created, "admin": r.admin,
+             "cache_retention_24h": r.cache_retention_24h}
+            for r in records
+        ]  # fmt: skip
         print(json.dumps({"keys": rows}, indent=2))
         return 0
     widths = (max([6, *(len(r.key_id) for r in records)]), max([6, *(len(r.tenant) for r in records)]))
-    print(f"{'KEY ID':<{widths[0]}}  {'TENANT':<{widths[1]}}  {'CREATED':<20}  ADMIN")
+    print(f"{'KEY ID':<{widths[0]}}  {'TENANT':<{widths[1]}}  {'CREATED':<20}  ADMIN  RETAIN 24H")
     for record in records:
         admin = "yes" if record.admin else ""
-        print(f"{record.key_id:<{widths[0]}}  {record.tenant:<{widths[1]}}  {record.created:<20}  {admin}")
+        retain = "yes" if record.cache_retention_24h else ""
+        fields = (record.key_id.ljust(widths[0]), record.tenant.ljust(widths[1]), record.created.ljust(20))
+        print("  ".join((*fields, admin.ljust(5), retain)).rstrip())
     return 0
 
 

@@ -22,6 +22,8 @@ class Tenant:
     key_id: str | None  # the API key's public ID; None in open mode
     cache_salt: bytes
     is_admin: bool = False  # may read /status; in open mode (loopback, or auth.allow_open) everyone may
+    # may ask for prompt_cache_retention "24h" (a key's cache_retention_24h); in open mode everyone may
+    may_retain_24h: bool = False
 
 
 def cache_salt(tenant_id: str, shared_groups: Sequence[Sequence[str]] = ()) -> bytes:
@@ -31,4 +33,4 @@ def cache_salt(tenant_id: str, shared_groups: Sequence[Sequence[str]] = ()) -> b
 
 
 def open_tenant(shared_groups: Sequence[Sequence[str]] = ()) -> Tenant:
-    return Tenant(DEFAULT_TENANT, None, cache_salt(DEFAULT_TENANT, shared_groups))
+    return Tenant(DEFAULT_TENANT, None, cache_salt(DEFAULT_TENANT, shared_groups), may_retain_24h=True)

@@ -54,6 +54,22 @@ def test_list_shows_ids_and_tenants_but_no_secrets(
     assert "sha256" not in listed[0]
 
 
+def test_a_key_may_be_allowed_a_24h_cache_retention(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "keys.yaml"
+    plain = add(capsys, "--file", str(path), "--tenant", "acme")
+    allowed = add(capsys, "--file", str(path), "--tenant", "acme", "--cache-retention-24h")
+    store = KeyStore(path)
+    assert [store.tenant_for(k).may_retain_24h for k in (plain, allowed)] == [False, True]  # type: ignore[union-attr]
+    assert main(["keys", "list", "--file", str(path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["keys"]
+    assert [k["cache_retention_24h"] for k in listed] == [False, True]
+    assert main(["keys", "list", "--file", str(path)]) == 0
+    header, first, second = capsys.readouterr().out.splitlines()
+    assert header.endswith("RETAIN 24H") and not first.endswith("yes") and second.endswith("yes")
+
+
 def test_revoke_removes_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "keys.yaml"
     key = add(capsys, "--file", str(path), "--tenant", "acme")

@@ -62,6 +62,14 @@ def user(content: Any, **fields: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": content, **fields}]
 
 
+THOUGHT = {"type": "thinking", "thinking": "x", "signature": "s"}
+
+
+def cached_text(text: str, ttl: str | None = None) -> dict[str, Any]:
+    control = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
+    return {"type": "text", "text": text, "cache_control": control}
+
+
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
 TOOL = {"name": "f", "input_schema": {"type": "object"}}
 
@@ -91,6 +99,18 @@ MESSAGES_CASES: list[tuple[str, Any, str]] = [
         "thinking blocks cannot be in a user message",
     ),
     ("messages", [*HI, {"role": "assistant", "content": "Sure, "}], "trailing whitespace"),
+    ("messages", user([cached_text(str(i)) for i in range(5)]), "at most 4 blocks may carry cache_control"),
+    (
+        "messages",
+        user([cached_text("a"), cached_text("b", "1h")]),
+        'ttl "1h" cannot come after one with ttl "5m"',
+    ),
+    ("messages", user([cached_text("")]), "cache_control cannot be set on an empty text block"),
+    (
+        "messages",
+        [*HI, {"role": "assistant", "content": [{**THOUGHT, "cache_control": {"type": "ephemeral"}}]}, *HI],
+        "messages[1].content[0].cache_control",
+    ),
     ("model", MISSING, "model"),
     ("model", 5, "model"),
     ("max_tokens", MISSING, "max_tokens"),

@@ -384,6 +384,39 @@ async def test_stored_responses_belong_to_the_tenant(client: httpx.AsyncClient, 
     assert (await client.post("/v1/responses", json=follow_up, headers=acme)).status_code == 200
 
 
+async def test_a_24h_prompt_cache_retention_needs_a_key_allowed_it(
+    client: httpx.AsyncClient, keys_path: Path, keys: dict[str, str], fake: FakeBackend
+) -> None:
+    """`prompt_cache_retention: "24h"` is a 400 naming the param and the fix for a key without the
+    permission, on Chat Completions and Responses alike, and reaches no backend; a key made with it (the
+    keys file's cache_retention_24h, as `kvrelay keys add --cache-retention-24h` writes) is served."""
+    key_id, allowed = new_key()
+    records = read_keys_file(keys_path)
+    record = KeyRecord(key_id=key_id, tenant="acme", sha256=key_digest(allowed), cache_retention_24h=True)
+    write_keys_file(keys_path, [*records, record])
+    bodies = {
+        "/v1/chat/completions": {**CHAT, "prompt_cache_retention": "24h"},
+        "/v1/responses": {
+            "model": MODEL_NAME,
+            "input": "Hi",
+            "max_output_tokens": 4,
+            "prompt_cache_retention": "24h",
+        },
+    }
+    for path, body in bodies.items():
+        refused = await client.post(path, json=body, headers={"authorization": f"Bearer {keys['acme']}"})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "prompt_cache_retention" and "--cache-retention-24h" in error["message"]
+        assert not fake.seen
+        in_memory = {**body, "prompt_cache_retention": "in_memory"}
+        served = await client.post(path, json=in_memory, headers={"authorization": f"Bearer {keys['acme']}"})
+        assert served.status_code == 200, served.text
+        served = await client.post(path, json=body, headers={"authorization": f"Bearer {allowed}"})
+        assert served.status_code == 200, served.text
+        fake.seen.clear()
+
+
 async def test_the_audit_line_names_key_and_tenant_and_holds_no_text(
     client: httpx.AsyncClient, keys: dict[str, str], keys_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

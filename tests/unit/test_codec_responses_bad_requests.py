@@ -63,6 +63,8 @@ def text_part(part_type: str, **fields: Any) -> dict[str, Any]:
 # (field, value, expected param, expected code)
 CASES: list[tuple[str, Any, str, str | None]] = [
     ("model", MISSING, "model", None),
+    ("prompt_cache_retention", "forever", "prompt_cache_retention", None),
+    ("prompt_cache_key", "k" * 65, "prompt_cache_key", None),
     ("model", 5, "model", None),
     ("input", MISSING, "input", None),
     ("input", "", "input", None),

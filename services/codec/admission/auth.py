@@ -1,8 +1,9 @@
 """API keys: who a request is for (docs/admission.md).
 
 A key looks like `kvr-<key_id>-<secret>`. The keys file (`auth.keys_file`, YAML or JSON) lists
-`keys: [{key_id, tenant, sha256, created, admin}]`: the SHA-256 of each whole key, never the key itself.
-An `admin` key may also read /status (internal addresses and load); with keys configured, no other may.
+`keys: [{key_id, tenant, sha256, created, admin, cache_retention_24h}]`: the SHA-256 of each whole key,
+never the key itself. An `admin` key may also read /status (internal addresses and load); with keys
+configured, no other may. A `cache_retention_24h` key may ask for OpenAI's `prompt_cache_retention: "24h"`.
 `kvrelay keys add | list | revoke` (services/cli/keys.py) writes it.
 
 A request presents its key as `Authorization: Bearer <key>` (OpenAI's SDKs) or `x-api-key: <key>`
@@ -72,6 +73,7 @@ class KeyRecord(BaseModel):
     sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     created: str = ""
     admin: bool = False  # may read /status (the stack's addresses and load), beside its tenant's API
+    cache_retention_24h: bool = False  # may ask for prompt_cache_retention "24h" (docs/protocols.md)
 
 
 class KeysFile(BaseModel):
@@ -232,6 +234,7 @@ class KeyStore:
                     record.key_id,
                     cache_salt(record.tenant, self._shared_groups),
                     is_admin=record.admin,
+                    may_retain_24h=record.cache_retention_24h,
                 ),
             )
             for record in records

@@ -17,7 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.codec.admission.tenancy import tenant_of
 from services.codec.generation import SampleFinished, TextDelta, Usage
+from services.codec.protocols.cache_retention import check_retention
 from services.codec.protocols.common import (
     Envelope,
     admit_and_start,
@@ -51,6 +53,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state, stats, body = await open_route(request, ChatCompletionRequest, PROTOCOL)
+    check_retention(body.prompt_cache_retention, tenant_of(request))
     messages = body.template_messages()
     prompt_ids, plan = await prepare(
         state, messages, tools=body.toolset(), thinking=body.thinking(), constraint=body.constraint()

@@ -60,6 +60,7 @@ from services.codec.errors import (
     error_response,
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
+from services.codec.protocols.cache_retention import check_retention
 from services.codec.protocols.common import admit_and_start, open_route, run_unless_gone, stream_response
 from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
 from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
@@ -120,6 +121,7 @@ def response_store(app: FastAPI) -> ResponseStore:
 async def create_response(request: Request) -> Response:
     state, stats, body = await open_route(request, ResponsesRequest, PROTOCOL)
     store, tenant = response_store(request.app), tenant_of(request)
+    check_retention(body.prompt_cache_retention, tenancy.tenant_of(request))
     try:
         history = await history_of(request, body, model=state.identity.model_name)
     except PreviousResponseNotFoundError as exc:

@@ -40,7 +40,7 @@ from services.codec.protocols.openai_responses import (
 )
 from services.codec.protocols.openai_responses_events import RESPONSE_ID_PREFIX, new_id, usage_body
 from services.codec.protocols.output import Constrained, collect_output_unless_gone, prepare
-from services.codec.protocols.schemas.openai import Strict
+from services.codec.protocols.schemas.openai import MAX_PROMPT_CACHE_KEY_CHARS, Strict
 from services.codec.protocols.schemas.responses import InputItem, ResponsesRequest
 from services.common.errors import InvalidRequestError
 
@@ -62,7 +62,7 @@ class CompactRequest(Strict):
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)] | None = None
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None
     instructions: str | None = None
-    prompt_cache_key: Annotated[str, Field(max_length=64)] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
 
     def check_supported(self) -> None:
         if self.input is None and self.previous_response_id is None:

@@ -9,11 +9,13 @@ Fields fall in three groups:
   none, disable_parallel_tool_use), as a `ToolSet` (text/tool_calls.py); `tool_use` blocks in assistant
   messages and `tool_result` blocks in user messages (text, JSON, is_error), for the chat template;
   thinking (enabled with budget_tokens / adaptive / disabled) as a `Thinking` (text/reasoning.py);
-- accepted and ignored: service_tier, cache_control (top level, on text blocks, tools and tool blocks),
-  citations on text blocks, inference_geo, speed, diagnostics, user_profile_id, workspace_id,
-  output_config.effort, thinking.display, a tool's input_examples, defer_loading,
-  eager_input_streaming and allowed_callers; `thinking` and `redacted_thinking` blocks in assistant
-  history (they are dropped: the template never shows the model its earlier thinking). On a model
+- checked: cache_control (top level, on text blocks, tools and tool blocks): at most 4 in a request,
+  1h ones before 5m ones, none on an empty text block (`cache_breakpoints`); the tiers keep their
+  default lifetime for now;
+- accepted and ignored: service_tier, citations on text blocks, inference_geo, speed, diagnostics,
+  user_profile_id, workspace_id, output_config.effort, thinking.display, a tool's input_examples,
+  defer_loading, eager_input_streaming and allowed_callers; `thinking` and `redacted_thinking` blocks in
+  assistant history (they are dropped: the template never shows the model its earlier thinking). On a model
   without a thinking mode (its chat template writes no `<think>`, e.g. SmolLM2) `thinking` is accepted
   and ignored: the reply has no thinking block. Its rules are still checked, as Anthropic checks them:
   budget_tokens >= 1024 and below max_tokens, and no forced tool_choice (any / tool) while thinking;
@@ -47,6 +49,7 @@ from services.common.grammar import Constraint
 MAX_STOP_SEQUENCES = 16  # a server limit: each one is matched against every token's text
 MAX_USER_ID_LEN = 256
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
+MAX_CACHE_BREAKPOINTS = 4  # blocks with cache_control in one request, the top-level one included
 
 # Block types the API defines that a text-only server cannot take (anthropic 2.14 ContentBlockParam).
 UNSUPPORTED_BLOCK_TYPES = Literal[
@@ -77,6 +80,10 @@ class Strict(BaseModel):
 class CacheControl(Strict):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def lifetime(self) -> str:
+        return self.ttl or "5m"
 
 
 class TextBlock(Strict):
@@ -387,6 +394,7 @@ class PromptFields(Strict):
                 "tool_choice",
             )
         self.constraint()
+        self.cache_breakpoints()
         prefill = self.prefill_text()
         last = len(self.messages) - 1
         if prefill is not None and prefill != prefill.rstrip():
@@ -396,6 +404,47 @@ class PromptFields(Strict):
 
     def _max_tokens(self) -> int | None:
         return None
+
+    def cache_breakpoints(self) -> list[tuple[str, str]]:
+        """Each `cache_control` as (its param, its ttl), in the prompt's order (tools, system, messages,
+        then the top-level one, which marks the last block); a 400 for more than MAX_CACHE_BREAKPOINTS,
+        a 1h breakpoint after a 5m one, or one on an empty text block. (On a thinking block it is an
+        unknown field already.)"""
+        points: list[tuple[str, str]] = []
+
+        def mark(param: str, control: CacheControl | None, block: Any = None) -> None:
+            if control is None:
+                return
+            if isinstance(block, TextBlock) and not block.text:
+                raise InvalidRequestError("cache_control cannot be set on an empty text block", param)
+            points.append((param, control.lifetime))
+
+        for index, tool in enumerate(self.tools or ()):
+            if isinstance(tool, CustomTool):
+                mark(f"tools[{index}].cache_control", tool.cache_control)
+        for index, text in enumerate(self.system if isinstance(self.system, list) else ()):
+            mark(f"system[{index}].cache_control", text.cache_control, text)
+        for number, message in enumerate(self.messages):
+            for index, block in enumerate(message.content if isinstance(message.content, list) else ()):
+                where = f"messages[{number}].content[{index}].cache_control"
+                mark(where, getattr(block, "cache_control", None), block)
+        mark("cache_control", self.cache_control)
+        if len(points) > MAX_CACHE_BREAKPOINTS:
+            raise InvalidRequestError(
+                f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control (the top-level one "
+                f"included); found {len(points)}",
+                points[MAX_CACHE_BREAKPOINTS][0],
+            )
+        after_5m = False
+        for param, ttl in points:
+            if ttl == "1h" and after_5m:
+                raise InvalidRequestError(
+                    'a cache_control with ttl "1h" cannot come after one with ttl "5m": put the 1h '
+                    "breakpoints first",
+                    param,
+                )
+            after_5m = after_5m or ttl == "5m"
+        return points
 
     def toolset(self) -> ToolSet | None:
         """The offered tools and the choice; a 400 for a tool or a choice that cannot be honoured."""

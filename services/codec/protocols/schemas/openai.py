@@ -3,9 +3,11 @@
 Parsing is strict: wrong types, out-of-range values and unknown fields fail (400 naming the param).
 Fields fall in three groups:
 - honoured: sampling knobs, stop, stream, logprobs, seed, n, and vLLM's `ignore_eos`, `top_k`,
-  `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`; `prompt_cache_key` keys the session
-  for routing affinity (session.py), never the cache;
-- accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_retention`,
+  `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`; `prompt_cache_key` (at most 64
+  characters) keys the session for routing affinity (session.py), never the cache;
+- checked: `prompt_cache_retention` is `in_memory` or `24h`, and `24h` needs a key allowed it
+  (protocols/cache_retention.py); both keep the tiers' default lifetime for now;
+- accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
   `prompt_cache_options`, `safety_identifier`, `reasoning_effort`, `verbosity`,
   `parallel_tool_calls`, `moderation`;
 - defined by OpenAI but not honoured here: they parse, then `check_supported` rejects them with
@@ -35,6 +37,7 @@ REASONING_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MAX_PROMPT_CACHE_KEY_CHARS = 64  # a key longer than this is a 400 (it keys routing affinity only)
 
 
 class Strict(BaseModel):
@@ -264,12 +267,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    prompt_cache_key: str | None = None  # keys the session for routing (session.py), not the cache
+    # Keys the session for routing (session.py), scoped by tenant; not the cache.
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
+    # Checked (protocols/cache_retention.py): "24h" needs a key with that permission.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # Accepted and ignored.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     reasoning_effort: str | None = None

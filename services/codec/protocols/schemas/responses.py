@@ -37,7 +37,12 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
 from services.codec.errors import UnknownParameterError, UnsupportedParameterError
 from services.codec.protocols.schemas import structured
-from services.codec.protocols.schemas.openai import REASONING_BUDGETS, SamplingFields, Strict
+from services.codec.protocols.schemas.openai import (
+    MAX_PROMPT_CACHE_KEY_CHARS,
+    REASONING_BUDGETS,
+    SamplingFields,
+    Strict,
+)
 from services.codec.text.reasoning import Thinking
 from services.codec.text.tool_calls import Tool, ToolChoice, ToolChoiceMode, ToolSet
 from services.common.errors import InvalidRequestError
@@ -344,7 +349,9 @@ class ResponsesRequest(Strict):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
+    # Checked (protocols/cache_retention.py): "24h" needs a key with that permission.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     tools: list[ToolParam] | None = None
@@ -352,7 +359,6 @@ class ResponsesRequest(Strict):
     reasoning: ReasoningConfig | None = None
     # Accepted and ignored.
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     background_options: dict[str, Any] | None = None
