@@ -161,8 +161,9 @@ class TierSet:
             if answered:
                 self.costs.observe_call(tier.name, seconds, len(value) if value is not None else 0)
             if value is None:
-                with self._lock:
-                    self.stats.misses[tier.name] += 1
+                if answered:  # a failed or skipped call counts as unavailable, not as a miss
+                    with self._lock:
+                        self.stats.misses[tier.name] += 1
                 continue
             try:
                 payload = check(index, value)

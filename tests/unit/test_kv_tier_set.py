@@ -93,6 +93,7 @@ def test_a_down_tier_opens_its_breaker_and_is_no_longer_asked() -> None:
     for _ in range(5):
         assert tiers.fetch(KEYS, check, far(), SIZE) == []  # the no-cache path: nothing fetched, no error
     assert shared.num_calls == 2  # then open: not asked
+    assert tiers.stats.unavailable["shared"] == 5 and tiers.stats.misses["shared"] == 0
     shared.is_down = False
     shared.values[KEYS[0]] = b"good0"
     now[0] = 31  # the cooldown passed: one probe, which answers, closes the breaker
