@@ -25,6 +25,7 @@ from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, RequestOutput
 from services.engine.kv_export import KVExport
+from services.kvcache.tier_set import TierReport
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (cheap, thread-safe)."""
         return self._stats
+
+    def tier_report(self) -> TierReport | None:
+        """The KV tiers' counts now (on the caller's thread), None without tiers."""
+        return self.core.tier_report()
 
     @property
     def vocab_size(self) -> int:

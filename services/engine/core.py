@@ -118,7 +118,6 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled here, every request and sample together
     # Steps by the path the model's layers took (models/llama.py STEP_PATHS); empty for a family with one
     steps_by_path: dict[str, int] = field(default_factory=dict)
-    tiers: TierReport | None = None  # the KV tiers below the pool, when there are any
 
 
 @dataclass(frozen=True)
@@ -506,8 +505,13 @@ class EngineCore:
             num_aborted=self.num_aborted,
             num_generated_tokens=self.scheduler.num_generated_tokens,
             steps_by_path=dict(getattr(getattr(self.runner, "model", None), "num_steps_by_path", {})),
-            tiers=self.tiers.report() if self.tiers is not None else None,
         )
+
+    def tier_report(self) -> TierReport | None:
+        """The KV tiers' counts now, None without tiers. Thread-safe (the tiers lock their own counts), so
+        a reader asks when it reads, and no step pays for it."""
+        tiers = self.tiers
+        return tiers.report() if tiers is not None else None
 
     def check_invariants(self) -> None:
         """Raise if any block's references disagree with what the live requests hold."""

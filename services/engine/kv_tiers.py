@@ -123,10 +123,6 @@ class SegmentReads:
         self._lookups: dict[SeqId, _Lookup] = {}
         self._threads = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-tier-lookup")
 
-    @property
-    def num_tokens_fetched(self) -> int:
-        return self.tiers.report().stats.fetched_tokens
-
     def look(self, request: Request, num_cached_tokens: int) -> None:
         """Start looking up the segments after the pool's hit of `num_cached_tokens` (engine thread)."""
         size, block_size = self.segment_tokens, self.namespace.block_size

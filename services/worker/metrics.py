@@ -133,8 +133,9 @@ class _EngineCollector(Collector):
                 "Resident bytes of every copy of the model's weights the engine holds.",
                 self.weight_bytes,
             )
-        if stats.tiers is not None:
-            yield from self._tier_metrics(stats.tiers)
+        tiers = self.engine.tier_report()
+        if tiers is not None:
+            yield from self._tier_metrics(tiers)
         yield self._counter(
             "kvrelay_kv_transfer_bytes",
             "KV bytes sent (prefill) or received (decode).",

@@ -149,7 +149,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.info
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
-        stats = self.engine.stats()
+        stats, tiers = self.engine.stats(), self.engine.tier_report()
         kv = stats.kv_blocks
         return pb.LoadResponse(
             running=stats.num_running,
@@ -167,8 +167,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             requests_aborted_total=stats.num_aborted,
             generation_tokens_total=stats.num_generated_tokens,
             steps_by_path=stats.steps_by_path,
-            kv_tiers=_tiers_to_proto(stats.tiers) if stats.tiers is not None else [],
-            kv_tier_fetched_tokens_total=stats.tiers.stats.fetched_tokens if stats.tiers is not None else 0,
+            kv_tiers=_tiers_to_proto(tiers) if tiers is not None else [],
+            kv_tier_fetched_tokens_total=tiers.stats.fetched_tokens if tiers is not None else 0,
         )
 
 

@@ -332,7 +332,7 @@ def codec_server(model_dir: Path, tokenizer: Tokenizer, config: KvrelayConfig) -
 
 
 class StubEngine:
-    """The one thing a worker's metrics read from its engine: a stats snapshot."""
+    """What a worker's metrics read from its engine: a stats snapshot and its KV tiers' counts."""
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -344,8 +344,10 @@ class StubEngine:
             num_preemptions=1,
             num_steps=50,
             steps_by_path={"kernels": 45, "gemm": 5},
-            tiers=tier_report(),
         )
+
+    def tier_report(self) -> TierReport:
+        return tier_report()
 
 
 def tier_report() -> TierReport:

@@ -134,6 +134,11 @@ def test_an_aborted_request_and_a_repeated_segment_are_not_written(tmp_path: Pat
     engine.close()
 
 
+def fetched(reads: SegmentReads) -> int:
+    """The prompt tokens the tiers have given the engine so far."""
+    return reads.tiers.report().stats.fetched_tokens
+
+
 def answer(engine: EngineCore, request_id: str, prompt: list[int], salt: bytes) -> tuple[list[int], int]:
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # a function of the KV read
     engine.add_request(request_id, prompt, greedy, cache_salt=salt)
@@ -150,7 +155,7 @@ def test_a_fresh_engine_reads_a_prefix_back_and_answers_the_same(tmp_path: Path)
     second, *_, reads = engine_with_tiers(tmp_path)  # a restarted worker: an empty pool, the same disk
     tokens, cached = answer(second, "b", prompt, b"tenant-a")
     assert cached == 64  # two segments; the one holding the last prompt token is recomputed
-    assert reads.num_tokens_fetched == 64
+    assert fetched(reads) == 64
     assert tokens == cold_tokens  # the fake samples from the KV it reads: every loaded slot was right
     second.check_invariants()
     other, *_ = engine_with_tiers(tmp_path)
@@ -164,9 +169,9 @@ def test_a_local_hit_inside_a_segment_takes_only_the_rest_from_below(tmp_path: P
     first.close()
     second, *_, reads = engine_with_tiers(tmp_path)
     answer(second, "warm", prompt[:20], b"")  # 16 tokens of the first segment now in the pool
-    fetched_before = reads.num_tokens_fetched
+    fetched_before = fetched(reads)
     tokens, cached = answer(second, "b", prompt, b"")
-    assert cached == 64 and reads.num_tokens_fetched - fetched_before == 48
+    assert cached == 64 and fetched(reads) - fetched_before == 48
     assert tokens == cold_tokens
 
 
