@@ -5,9 +5,7 @@ a whole value or none), the shared tier on a Redis of its own role (started here
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.common.cache_redis import start_cache_redis, stop_cache_redis
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.host_tier import HostTier
 from services.kvcache.redis_tier import RedisTier
 from services.kvcache.tier import Breaker, TierUnavailable
 from tests.ports import free_port
-from tests.stack_helpers import wait_until
 
 NS = "0123456789abcdef"
 
@@ -83,29 +81,10 @@ def test_a_key_that_is_not_a_segment_key_is_refused(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def cache_redis() -> Iterator[str]:
     """A Redis of the shared tier's role: LRU over a small maxmemory, persistence off."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not on PATH")
     port = free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def answers() -> bool:
-        try:
-            return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
-        except redis.RedisError:
-            return False
-
-    try:
-        wait_until(answers, 20, "the cache redis-server")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    proc = start_cache_redis(port, maxmemory_mb=2)
+    yield f"redis://127.0.0.1:{port}/0"
+    stop_cache_redis(proc)
 
 
 def test_the_shared_tier_stores_once_refreshes_on_a_hit_and_expires(cache_redis: str) -> None:
