@@ -69,6 +69,7 @@ class Usage:
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_tokens: int
+    num_cache_written_tokens: tuple[int, ...] = ()  # per cache breakpoint the request carried
 
 
 GenerationEvent = TextDelta | SampleFinished | Usage
@@ -200,6 +201,8 @@ class GenerationStream:
 
     def _apply(self, delta: TokenDelta) -> list[GenerationEvent]:
         self._stats.record_delta()
+        if delta.num_cached_tokens >= self._num_cached_tokens and delta.num_cache_written_tokens:
+            self._stats.num_cache_written_tokens = delta.num_cache_written_tokens  # counted with these
         self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
         if not 0 <= delta.index < len(self._samples):
             raise BackendFailedError(f"the backend sent a delta for unknown sample {delta.index}")
@@ -216,6 +219,7 @@ class GenerationStream:
             num_prompt_tokens=len(self._request.prompt_token_ids),
             num_completion_tokens=sum(sample.num_tokens for sample in self._samples),
             num_cached_tokens=self._num_cached_tokens,
+            num_cache_written_tokens=self._stats.num_cache_written_tokens,
         )
 
     async def _next_delta(self) -> TokenDelta | None:

@@ -60,6 +60,7 @@ class RequestStats:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cache_written_tokens: tuple[int, ...] = ()  # per cache breakpoint (Anthropic's creation tokens)
     stream_outcome: StreamOutcome | None = None
     tenant: Tenant | None = None  # set by auth (None: refused before it, or a probe path)
     queue_wait_s: float | None = None  # time spent waiting for admission, when it had to wait

@@ -247,6 +247,9 @@ class KvTiersConfig(_Section):
     write_mb_per_s: float = Field(default=256.0, gt=0)  # beyond it, writes are dropped (and counted)
     host_capacity_mb: int = Field(default=0, ge=0)  # the worker's memory tier; 0: none
     tenant_capacity_mb: int = Field(default=0, ge=0)  # each tenant's most MiB in the shared tier; 0: no cap
+    # Which requests' segments go down to the disk and shared tiers: every one's, or only the prefixes a
+    # client asked to keep (cache_control, prompt_cache_retention "24h"); the others stay in the host tier.
+    write_through: Literal["always", "requested"] = "always"
 
     @property
     def is_enabled(self) -> bool:

@@ -28,6 +28,17 @@ from services.common.sampling import SamplingParams
 
 MAX_REQUEST_ID_LEN = 128  # the codec's own are 28 characters: req_ and 24 hex digits
 MAX_CACHE_SALT_BYTES = 64  # the codec's are 16
+MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit; OpenAI's prompt_cache_retention is one
+MAX_CACHE_TTL_S = 24 * 3600  # OpenAI's "24h", the longest lifetime a client can ask for
+
+
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """The client asked that the prompt's first `num_tokens` tokens be kept below the pool for `ttl_s`
+    seconds at least (Anthropic `cache_control`, OpenAI `prompt_cache_retention`; docs/kv-tiers.md)."""
+
+    num_tokens: int
+    ttl_s: int
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,7 @@ class EngineInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: bytes = b""
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
 
 def check_request(
@@ -49,6 +61,7 @@ def check_request(
     *,
     priority: int = 0,
     cache_salt: bytes = b"",
+    cache_breakpoints: Sequence[CacheBreakpoint] = (),
 ) -> EngineInput:
     """The request's values, each checked; InvalidRequestError (a 400, INVALID_ARGUMENT) names the first
     one out of range."""
@@ -58,7 +71,40 @@ def check_request(
     if len(cache_salt) > MAX_CACHE_SALT_BYTES:
         message = f"cache_salt holds {len(cache_salt)} bytes; the limit is {MAX_CACHE_SALT_BYTES}"
         raise InvalidRequestError(message, param="cache_salt")
-    return EngineInput(request_id, prompt, params, priority, bytes(cache_salt))
+    breakpoints = check_cache_breakpoints(cache_breakpoints, len(prompt))
+    return EngineInput(request_id, prompt, params, priority, bytes(cache_salt), breakpoints)
+
+
+def cache_written_tokens(
+    breakpoints: Sequence[CacheBreakpoint], num_cached_tokens: int, block_size: int
+) -> tuple[int, ...]:
+    """For each breakpoint, the prompt tokens up to it (whole blocks: the granularity of what is kept)
+    that a request which found `num_cached_tokens` cached computed, past the earlier breakpoints' share."""
+    written, done = [], num_cached_tokens
+    for point in breakpoints:
+        end = point.num_tokens // block_size * block_size
+        written.append(max(0, end - done))
+        done = max(done, end)
+    return tuple(written)
+
+
+def check_cache_breakpoints(
+    breakpoints: Sequence[CacheBreakpoint], num_prompt_tokens: int
+) -> tuple[CacheBreakpoint, ...]:
+    """At most MAX_CACHE_BREAKPOINTS, in prompt order, inside the prompt, each kept 1 s to MAX_CACHE_TTL_S."""
+    if len(breakpoints) > MAX_CACHE_BREAKPOINTS:
+        message = f"{len(breakpoints)} cache breakpoints; the limit is {MAX_CACHE_BREAKPOINTS}"
+        raise InvalidRequestError(message, param="cache_breakpoints")
+    previous = 0
+    for point in breakpoints:
+        if not previous <= point.num_tokens <= num_prompt_tokens or not 0 < point.ttl_s <= MAX_CACHE_TTL_S:
+            message = (
+                f"cache breakpoints must be in prompt order, inside the prompt ({num_prompt_tokens} tokens), "
+                f"each kept 1 to {MAX_CACHE_TTL_S} s; got {point.num_tokens} tokens for {point.ttl_s} s"
+            )
+            raise InvalidRequestError(message, param="cache_breakpoints")
+        previous = point.num_tokens
+    return tuple(breakpoints)
 
 
 def check_request_id(request_id: str) -> str:

@@ -8,7 +8,10 @@ a clear refusal before anything is queued, never an engine assertion.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from services.common.engine_input import (
+    CacheBreakpoint,
     EngineInput,
     check_request,
 )
@@ -95,7 +98,17 @@ def engine_input_from_proto(
         vocab_size,
         priority=request.priority,
         cache_salt=bytes(request.cache_salt),
+        cache_breakpoints=breakpoints_from_proto(request.cache_breakpoints),
     )
+
+
+def breakpoints_to_proto(breakpoints: Sequence[CacheBreakpoint]) -> list[pb.CacheBreakpoint]:
+    return [pb.CacheBreakpoint(num_tokens=p.num_tokens, ttl_s=p.ttl_s) for p in breakpoints]
+
+
+def breakpoints_from_proto(breakpoints: Iterable[pb.CacheBreakpoint]) -> list[CacheBreakpoint]:
+    """Converted only: `check_request` checks them against the prompt."""
+    return [CacheBreakpoint(p.num_tokens, p.ttl_s) for p in breakpoints]
 
 
 def session_key_from_proto(session_key: str) -> str:

@@ -28,9 +28,15 @@ import grpc
 
 from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
+from services.common.engine_input import cache_written_tokens
 from services.common.grpc_auth import TokenSource
 from services.common.outputs import FinishReason, TokenLogprob
-from services.common.proto_convert import FINISH_FROM_PROTO, EngineInput, logprob_from_proto
+from services.common.proto_convert import (
+    FINISH_FROM_PROTO,
+    EngineInput,
+    breakpoints_from_proto,
+    logprob_from_proto,
+)
 from services.engine.async_engine import AsyncEngine
 from services.engine.kv_export import dtype_name
 from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, check_header_checksum
@@ -53,6 +59,7 @@ class _Transfer:
     trace: RequestTrace
     first: TokenLogprob | None = None
     num_cached_tokens: int = 0  # prompt tokens P served from its prefix cache (it computed the rest)
+    num_cache_written_tokens: tuple[int, ...] = ()  # and so wrote down, per cache breakpoint
     num_bytes: int = 0
     seconds: float = 0.0  # Prefill call start -> KV installed (P's queue and prefill included)
     link_seconds: float = 0.0  # header received -> KV installed: the KV's shipping alone
@@ -114,6 +121,7 @@ class RemotePrefill:
                 response = output_to_proto(output)
                 if transfer.mode == pb.PREFILL_MODE_REMOTE:
                     response.num_cached_tokens = transfer.num_cached_tokens
+                    response.num_cache_written_tokens[:] = transfer.num_cache_written_tokens
                 if output.finished:
                     finished = True
                     response.prefill_mode = transfer.mode
@@ -161,8 +169,15 @@ class RemotePrefill:
                 self._fall_back(request_id, remote.address, transfer, exc)
                 return
             transfer.num_cached_tokens = header.num_cached_tokens
+            transfer.num_cache_written_tokens = cache_written_tokens(
+                breakpoints_from_proto(request.cache_breakpoints),
+                header.num_cached_tokens,
+                self.layout.block_size,
+            )
             transfer.first = logprob_from_proto(header.first_token)
-            yield _first_response(header, request.sampling.HasField("logprobs"))
+            first = _first_response(header, request.sampling.HasField("logprobs"))
+            first.num_cache_written_tokens[:] = transfer.num_cache_written_tokens
+            yield first
             if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 reason = FINISH_FROM_PROTO.get(header.finish_reason) or FinishReason.STOP
                 self.engine.end_reserved(request_id, reason)  # the first token ended it: nothing to decode
@@ -193,6 +208,7 @@ class RemotePrefill:
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             cache_salt=request.cache_salt,
+            cache_breakpoints=request.cache_breakpoints,
             priority=request.priority,
             num_skip_tokens=num_skip,
             model_fingerprint=self.model_fingerprint,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from services.common.block_hash import BlockHasher, root_hash
-from services.common.engine_input import EngineInput, check_request
+from services.common.engine_input import CacheBreakpoint, EngineInput, cache_written_tokens, check_request
 from services.common.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -68,6 +68,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv: KVExport | None = None  # prefill replica: the request stops here and its KV goes to decode
+    num_cache_written_tokens: tuple[int, ...] = ()  # per cache breakpoint (engine_input.cache_written_tokens)
 
     @property
     def finished(self) -> bool:
@@ -195,11 +196,18 @@ class EngineCore:
         *,
         priority: int = 0,
         cache_salt: bytes = b"",
+        cache_breakpoints: Sequence[CacheBreakpoint] = (),
     ) -> EngineInput:
         """The library's one check of a request's values (engine_input.check_request) against this model's
         vocabulary, and of its ID against the requests live here. Allocates nothing."""
         request = check_request(
-            request_id, prompt_token_ids, params, self.vocab_size, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt_token_ids,
+            params,
+            self.vocab_size,
+            priority=priority,
+            cache_salt=cache_salt,
+            cache_breakpoints=cache_breakpoints,
         )
         if self.scheduler.live_samples(request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already running")
@@ -213,11 +221,19 @@ class EngineCore:
         *,
         priority: int = 0,
         cache_salt: bytes = b"",
+        cache_breakpoints: Sequence[CacheBreakpoint] = (),
         arrival_time: float | None = None,
         export_kv_from: int | None = None,
     ) -> None:
         """Check a request (`check`) and queue it (`add`): the entry for callers that hold raw values."""
-        request = self.check(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        request = self.check(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            cache_breakpoints=cache_breakpoints,
+        )
         self.add(request, arrival_time=arrival_time, export_kv_from=export_kv_from)
 
     def add(
@@ -264,6 +280,7 @@ class EngineCore:
                     export_kv_from=export_kv_from,
                     matcher=matchers[index],
                     cache_salt=request.cache_salt,
+                    cache_breakpoints=request.cache_breakpoints,
                 )
             )
         return samples
@@ -449,7 +466,11 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             kv=kv,
+            num_cache_written_tokens=self._written(request),
         )
+
+    def _written(self, request: Request) -> tuple[int, ...]:
+        return cache_written_tokens(request.cache_breakpoints, request.num_cached_tokens, self.block_size)
 
     # -- the KV tiers below the pool --------------------------------------------------------------
 

@@ -7,15 +7,18 @@ go back, and queued for the tiers; the writer's thread encodes and stores it. A 
 tokens (a multiple of the block size) starting at a multiple of it, so a conversation's next turn, whose
 prompt holds this turn's prompt and output, finds the same keys. Not copied: a segment that reaches past the
 blocks committed to the prefix cache (the last sampled token has no KV yet), one whose blocks a sliding
-window freed, and one the writer queued lately (under this namespace and tenant, the same bytes).
+window freed, and one the writer queued lately (under this namespace and tenant, the same bytes) as far
+and as long. A client's cache breakpoints (engine_input.CacheBreakpoint) decide how far and how long: see
+`SegmentWrites`; a breakpoint inside a segment adds a tail, the segment's part up to it.
 
 Reading back (`SegmentReads`): when a request arrives (`Scheduler.add`), the segments after the pool's
 own prefix hit are looked up on a lookup thread, never the engine's: in the tiers, fastest first, each
 asked only while the cost model (kvcache/costs.py) expects it to beat recomputing, up to the first segment
-missing, or the deadline, and never the segment holding the prompt's last token (it is recomputed for its
-logits). Meanwhile the scheduler admits others; the request waits until its lookup ends or its deadline
-passes (then it recomputes, and the lookup's result is dropped). At admission its KV goes into the
-request's new blocks before its first chunk, which then starts after them.
+missing, or the deadline, then the longest of the request's own tails in the segment where that run
+stopped, and never the segment holding the prompt's last token (it is recomputed for its logits).
+Meanwhile the scheduler admits others; the request waits until its lookup ends or its deadline passes
+(then it recomputes, and the lookup's result is dropped). At admission its KV goes into the request's new
+blocks before its first chunk, which then starts after them.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from services.kvcache.disk_tier import DiskTier
 from services.kvcache.host_tier import HostTier
 from services.kvcache.segment import Namespace, decode, encode, segment_key
 from services.kvcache.tier import Tier
-from services.kvcache.tier_set import SegmentSize, SegmentWriter, TierReport, TierSet
+from services.kvcache.tier_set import Hold, SegmentSize, SegmentWriter, TierReport, TierSet
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +52,54 @@ WriteKV = Callable[[list[int], int, torch.Tensor], None]  # (block_ids, start, [
 
 
 class SegmentWrites:
-    """What `Scheduler.on_finish` calls: the full segments of a leaving request, queued for the tiers."""
+    """What `Scheduler.on_finish` calls: the full segments of a leaving request, queued for the tiers.
+
+    A segment up to one of the request's cache breakpoints goes through to every tier, kept at least as
+    long as the longest breakpoint at or after its end asks; one past them all goes through too when
+    `write_through` is "always", else to the tiers that die with the worker only. A breakpoint inside a
+    segment adds the segment's part up to it, a tail: [start of its segment, the breakpoint), whole blocks."""
 
     def __init__(
-        self, namespace: Namespace, segment_tokens: int, writer: SegmentWriter, read_kv: ReadKV
+        self,
+        namespace: Namespace,
+        segment_tokens: int,
+        writer: SegmentWriter,
+        read_kv: ReadKV,
+        write_through: bool = True,
     ) -> None:
         self.namespace = namespace
         self.segment_tokens = segment_tokens
         self.writer = writer
         self.read_kv = read_kv
+        self.write_through = write_through
+        # Where a segment not written through can go: a tier that dies with the worker (the host tier).
+        self.keeps_unheld = any(not tier.outlives_worker for tier in writer.tiers.tiers)
 
     def on_finish(self, request: Request) -> None:
         block_size, size = self.namespace.block_size, self.segment_tokens
         num_committed_tokens = min(request.num_committed_blocks, len(request.block_hashes)) * block_size
-        for start in range(0, num_committed_tokens - size + 1, size):
-            blocks = _blocks_of(start, size, block_size)
+        ends = list(range(size, num_committed_tokens + 1, size))
+        ends += [end for end in _tails(request, size, block_size) if end <= num_committed_tokens]
+        for end in ends:
+            start = (end - 1) // size * size
+            blocks = slice(start // block_size, end // block_size)
             if NO_BLOCK in request.block_ids[blocks]:
                 continue  # freed below a sliding window
             hashes = request.block_hashes[blocks]
             key = segment_key(self.namespace, request.cache_salt, hashes[-1])
-            if self.writer.knows(key):
+            hold = self._hold(request, end)
+            if self.writer.knows(key, hold) or not (hold.through or self.keeps_unheld):
                 continue
-            kv = self.read_kv(request.block_ids, start, start + size)  # [L, size, 2, H, D], a copy
+            kv = self.read_kv(request.block_ids, start, end)  # [L, end - start, 2, H, D], a copy
             value = partial(_value, self.namespace, request.cache_salt, start, hashes, kv)
-            self.writer.submit(key, size * self.namespace.bytes_per_token, value)
+            self.writer.submit(key, (end - start) * self.namespace.bytes_per_token, value, hold)
+
+    def _hold(self, request: Request, end: int) -> Hold:
+        """How the segment ending at token `end` is written: as the breakpoints at or after it ask."""
+        ttls = [point.ttl_s for point in request.cache_breakpoints if point.num_tokens >= end]
+        if ttls:
+            return Hold(through=True, ttl_s=max(ttls))
+        return Hold(through=self.write_through)
 
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
@@ -127,13 +154,19 @@ class SegmentReads:
         """Start looking up the segments after the pool's hit of `num_cached_tokens` (engine thread)."""
         size, block_size = self.segment_tokens, self.namespace.block_size
         num_cacheable = (request.num_tokens - 1) // block_size * block_size  # the last token is recomputed
+        num_cacheable = min(num_cacheable, len(request.block_hashes) * block_size)
         first = num_cached_tokens // size
-        end = min(num_cacheable, len(request.block_hashes) * block_size) // size
-        if first >= end:
+        end = num_cacheable // size
+        tails = {
+            tail: request.block_hashes[(tail - 1) // size * size // block_size : tail // block_size]
+            for tail in _tails(request, size, block_size)
+            if num_cached_tokens < tail <= num_cacheable
+        }
+        if first >= end and not tails:
             return
         spans = [request.block_hashes[_blocks_of(s * size, size, block_size)] for s in range(first, end)]
         deadline = time.monotonic() + self.timeout_s
-        future = self._threads.submit(self._fetch, request.cache_salt, first, spans, deadline)
+        future = self._threads.submit(self._fetch, request.cache_salt, first, spans, tails, deadline)
         self._lookups[request.seq_id] = _Lookup(first, future, deadline)
         future.add_done_callback(self._lookup_ended)
 
@@ -185,22 +218,37 @@ class SegmentReads:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _fetch(
-        self, cache_salt: bytes, first: int, spans: list[list[bytes]], deadline: float
+        self,
+        cache_salt: bytes,
+        first: int,
+        spans: list[list[bytes]],
+        tails: dict[int, list[bytes]],
+        deadline: float,
     ) -> torch.Tensor | None:
-        """On a lookup thread: the KV of the longest run of the segments found, or None."""
-        size = self.segment_tokens
+        """On a lookup thread: the KV of the longest run of the segments found, then of the longest tail
+        (`tails`: end -> its blocks' hashes) in the segment where the run stopped, or None."""
+        size, bytes_per_token = self.segment_tokens, self.namespace.bytes_per_token
         keys = [segment_key(self.namespace, cache_salt, hashes[-1]) for hashes in spans]
 
         def check(index: int, value: bytes) -> bytes:
             return decode(value, self.namespace, cache_salt, (first + index) * size, spans[index])
 
         try:
-            weight = SegmentSize(size * self.namespace.bytes_per_token, size)
-            payloads = self.tiers.fetch(keys, check, deadline, weight)
+            payloads = self.tiers.fetch(keys, check, deadline, SegmentSize(size * bytes_per_token, size))
+            stop = (first + len(payloads)) * size
+            for end in sorted((end for end in tails if (end - 1) // size * size == stop), reverse=True):
+                hashes = tails[end]
+                key = segment_key(self.namespace, cache_salt, hashes[-1])
+                check_tail = partial(_check_tail, self.namespace, cache_salt, stop, hashes)
+                weight = SegmentSize((end - stop) * bytes_per_token, end - stop)
+                if tail := self.tiers.fetch([key], check_tail, deadline, weight):
+                    payloads += tail
+                    break
             if not payloads:
                 return None
-            shape = (self.namespace.num_layers, size, 2, self.namespace.num_kv_heads, self.namespace.head_dim)
-            dtype = KV_DTYPES[self.namespace.kv_dtype]
+            ns = self.namespace
+            shape = (ns.num_layers, -1, 2, ns.num_kv_heads, ns.head_dim)
+            dtype = KV_DTYPES[ns.kv_dtype]
             return torch.cat(
                 [torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in payloads], dim=1
             )
@@ -249,6 +297,20 @@ class KVTiers:
         self.writes.close(timeout)
 
 
+def _tails(request: Request, size: int, block_size: int) -> list[int]:
+    """The ends of the tails: each cache breakpoint that falls inside a segment, rounded down to a block.
+    The segment's part up to it is kept on its own, under the key of its last block (a key names its
+    start too: the segment boundary below its end)."""
+    ends = {point.num_tokens // block_size * block_size for point in request.cache_breakpoints}
+    return sorted(end for end in ends if end % size)
+
+
+def _check_tail(
+    namespace: Namespace, cache_salt: bytes, start: int, hashes: list[bytes], _: int, value: bytes
+) -> bytes:
+    return decode(value, namespace, cache_salt, start, hashes)
+
+
 def _blocks_of(start: int, size: int, block_size: int) -> slice:
     """The block indices of the segment of `size` tokens starting at token `start`."""
     return slice(start // block_size, (start + size) // block_size)
@@ -290,7 +352,9 @@ def build_kv_tiers(
     """The configured tiers with their writer and reader, for `EngineCore.use_tiers`."""
     tiers = build_tiers(config, environ)
     writer = SegmentWriter(tiers, bytes_per_s=config.write_mb_per_s * 1e6)
-    writes = SegmentWrites(namespace, config.segment_tokens, writer, read_kv)
+    writes = SegmentWrites(
+        namespace, config.segment_tokens, writer, read_kv, config.write_through == "always"
+    )
     reads = SegmentReads(
         namespace, config.segment_tokens, tiers, write_kv, config.fetch_deadline_ms / 1000, device
     )

@@ -15,6 +15,7 @@ workers write too): not on every write.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -26,6 +27,7 @@ RESCAN_WRITES = 64
 
 class DiskTier:
     name = "disk"
+    outlives_worker = True
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
         self.root = root
@@ -50,9 +52,14 @@ class DiskTier:
             return None
         return value
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        """`ttl_s` is not kept: a file lives until the directory's capacity pushes it out."""
         path = self._path(key)
         if path.exists():
+            with contextlib.suppress(
+                FileNotFoundError
+            ):  # another worker removed it: the next write stores it
+                os.utime(path)  # asked for again: now recently used
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

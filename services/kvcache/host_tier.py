@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 class HostTier:
     name = "host"
+    outlives_worker = False
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
@@ -29,7 +30,7 @@ class HostTier:
                 self._values.move_to_end(key)
             return value
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
         if len(value) > self.capacity_bytes:
             return False
         with self._lock:

@@ -3,7 +3,9 @@
 Never the Redis that holds quotas and stored Responses: this one is a cache, run with `allkeys-lru`, a
 `maxmemory` and persistence off (docs/architecture.md, "Redis roles"), so under pressure it drops the least
 recently used segments and nothing else. `put` is `SET NX EX ttl` (content-addressed values: the first
-writer wins, later ones have nothing to add); `get` is `GETEX ... EX ttl`, so a hit keeps its segment alive.
+writer wins, later ones have nothing to add but a longer lifetime); a hit extends its segment's lifetime
+to the tier's `ttl_s`. Lifetimes only grow: a write asking for longer than a segment has left (a client's
+`cache_control` ttl, `prompt_cache_retention: "24h"`) extends it, and no hit or write shortens it.
 Every call has the client's socket timeout: a Redis that accepts connections but never answers costs at
 most that, and raises TierUnavailable like one that is down.
 
@@ -30,10 +32,43 @@ TENANT_PREFIX = "kv1-tenant"
 _FAILURES = (redis.RedisError, OSError)
 
 
+# Extends KEYS[i]'s lifetime to ARGV[ttl] seconds unless it has that much left already.
+_EXTEND = """
+local function extend(key, ttl)
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
+end
+"""
+
+# KEYS: the segment. ARGV: ttl. Returns the value, its lifetime extended to ttl, or nil.
+_GET = (
+    _EXTEND
+    + """
+local value = redis.call('GET', KEYS[1])
+if value then extend(KEYS[1], ARGV[1]) end
+return value
+"""
+)
+
+# KEYS: the segment. ARGV: value, ttl. Returns 1 if stored; an existing value's lifetime is extended.
+_PUT = (
+    _EXTEND
+    + """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 1 end
+extend(KEYS[1], ARGV[2])
+return 0
+"""
+)
+
 # KEYS: the segment, the tenant's index, sizes and byte count. ARGV: value, ttl, cap, now.
 # Returns {stored (0/1), segments evicted}.
-_PUT_CAPPED = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return {0, 0} end
+_PUT_CAPPED = (
+    _EXTEND
+    + """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  extend(KEYS[1], ARGV[2])
+  for i = 2, 4 do extend(KEYS[i], ARGV[2]) end
+  return {0, 0}
+end
 local size = string.len(ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[4], KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], size)
@@ -48,9 +83,10 @@ while used > tonumber(ARGV[3]) do
   used = redis.call('DECRBY', KEYS[4], n)
   evicted = evicted + 1
 end
-for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+for i = 2, 4 do extend(KEYS[i], ARGV[2]) end
 return {1, evicted}
 """
+)
 
 # KEYS: the segment, the tenant's index, sizes and byte count.
 _DELETE_CAPPED = """
@@ -65,6 +101,7 @@ return n
 
 class RedisTier:
     name = "shared"
+    outlives_worker = True
 
     def __init__(self, client: redis.Redis, ttl_s: int, tenant_capacity_bytes: int = 0) -> None:
         """`tenant_capacity_bytes`: each tenant's most bytes here (0: no cap, the Redis's LRU alone)."""
@@ -74,6 +111,8 @@ class RedisTier:
         self.evictions = (
             0  # segments removed for a tenant's cap; the Redis's own LRU evictions are its INFO's
         )
+        self._get = client.register_script(_GET)
+        self._put = client.register_script(_PUT)
         self._put_capped = client.register_script(_PUT_CAPPED)
         self._delete_capped = client.register_script(_DELETE_CAPPED)
 
@@ -99,23 +138,24 @@ class RedisTier:
     def get(self, key: str) -> bytes | None:
         try:
             if not self.tenant_capacity_bytes:
-                value = self.client.getex(key, ex=self.ttl_s)
+                value = self._get(keys=[key], args=[self.ttl_s])
             else:
                 pipe = self.client.pipeline(transaction=False)
-                pipe.getex(key, ex=self.ttl_s)
-                pipe.zadd(_tenant_keys(key)[0], {key: time.time()}, xx=True)  # now its most recent
+                self._get(keys=[key], args=[self.ttl_s], client=pipe)
+                pipe.zadd(tenant_keys(key)[0], {key: time.time()}, xx=True)  # now its most recent
                 value, _ = pipe.execute()
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
         return value if isinstance(value, bytes) else None
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        ttl = max(self.ttl_s, ttl_s or 0)
         try:
             if not self.tenant_capacity_bytes:
-                return bool(self.client.set(key, value, nx=True, ex=self.ttl_s))
-            keys = [key, *_tenant_keys(key)]
+                return bool(self._put(keys=[key], args=[value, ttl]))
+            keys = [key, *tenant_keys(key)]
             stored, evicted = self._put_capped(
-                keys=keys, args=[value, self.ttl_s, self.tenant_capacity_bytes, time.time()]
+                keys=keys, args=[value, ttl, self.tenant_capacity_bytes, time.time()]
             )
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
@@ -141,7 +181,7 @@ class RedisTier:
     def delete(self, key: str) -> None:
         try:
             if self.tenant_capacity_bytes:
-                self._delete_capped(keys=[key, *_tenant_keys(key)])
+                self._delete_capped(keys=[key, *tenant_keys(key)])
             else:
                 self.client.unlink(key)
         except _FAILURES as exc:
@@ -154,7 +194,7 @@ class RedisTier:
         self.client.close()
 
 
-def _tenant_keys(key: str) -> list[str]:
+def tenant_keys(key: str) -> list[str]:
     """The index (sorted set), sizes (hash) and byte count of the tenant `key` belongs to."""
     prefix = f"{TENANT_PREFIX}:{tenant_of(key)}"
     return [f"{prefix}:index", f"{prefix}:sizes", f"{prefix}:bytes"]

@@ -1,7 +1,8 @@
 """What a tier below a worker's pool offers (the backend interface), and the breaker in front of a remote one.
 
 A tier stores immutable values under content-addressed keys (segment.py): `put` never overwrites (the same
-key always holds the same bytes, so a second writer has nothing to add), `get` refreshes a hit's lifetime.
+key always holds the same bytes, so a second writer has nothing to add, but may lengthen its lifetime),
+`get` refreshes a hit's lifetime.
 The engine talks to this interface only, so another store (a cluster cache, an object store) is a new class
 here and nothing else. A tier that cannot be reached raises `TierUnavailable`; the caller takes the no-cache
 path (recompute), counts it and logs it, never fails the request.
@@ -24,13 +25,16 @@ class TierUnavailable(Exception):
 class Tier(Protocol):
     name: str  # "host", "disk", "shared": the tier's label on metrics and logs
     evictions: int  # values this process removed for room (a Redis's own evictions are its to count)
+    outlives_worker: bool  # disk and shared: a write here is a write-through (kv_tiers.write_through)
 
     def get(self, key: str) -> bytes | None:
         """The value under `key` (its lifetime refreshed), or None."""
         ...
 
-    def put(self, key: str, value: bytes) -> bool:
-        """Store `value` under `key` unless a value is there already; True if this call stored it."""
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        """Store `value` under `key` unless a value is there already; True if this call stored it. A tier
+        with lifetimes keeps it `ttl_s` at least (None: its own), and lengthens, never shortens, the
+        lifetime of a value already there; the others bound by room alone and ignore `ttl_s`."""
         ...
 
     def contains(self, keys: list[str]) -> list[bool]:

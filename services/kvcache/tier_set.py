@@ -68,6 +68,24 @@ FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 @dataclass(frozen=True)
+class Hold:
+    """How a segment is written: `through` to the tiers that outlive the worker (disk, shared) or not,
+    and kept `ttl_s` at least where values have lifetimes (None: the tier's own)."""
+
+    through: bool = True
+    ttl_s: int | None = None
+
+    def covers(self, other: Hold) -> bool:
+        """Whether a write held this way leaves nothing for a write held `other`'s way to add."""
+        return self.through >= other.through and (self.ttl_s or 0) >= (other.ttl_s or 0)
+
+    def join(self, other: Hold) -> Hold:
+        """Held both ways: through if either is, as long as the longer."""
+        ttls = [ttl for ttl in (self.ttl_s, other.ttl_s) if ttl is not None]
+        return Hold(self.through or other.through, max(ttls) if ttls else None)
+
+
+@dataclass(frozen=True)
 class SegmentSize:
     """What one segment weighs: its value's bytes (about), and the tokens recomputing it costs."""
 
@@ -185,10 +203,13 @@ class TierSet:
         with self._lock:
             self.stats.writes_dropped[reason] += 1
 
-    def put(self, key: str, value: bytes) -> None:
-        """Store `value` in every tier that lacks it (on the caller's thread: the writer's)."""
+    def put(self, key: str, value: bytes, hold: Hold = Hold()) -> None:
+        """Store `value` in every tier that lacks it (on the caller's thread: the writer's); only in those
+        that die with the worker unless `hold.through`."""
         for tier in self.tiers:
-            _, stored = self._call(tier, partial(tier.put, key, value))
+            if tier.outlives_worker and not hold.through:
+                continue
+            _, stored = self._call(tier, partial(tier.put, key, value, hold.ttl_s))
             if stored:
                 with self._lock:
                     self.stats.bytes_written[tier.name] += len(value)
@@ -232,8 +253,8 @@ class SegmentWriter:
         self.tiers = tiers
         self.bytes_per_s = bytes_per_s
         self.clock = clock
-        self._queue: queue.Queue[tuple[str, Callable[[], bytes]] | None] = queue.Queue(max_queued)
-        self._written: OrderedDict[str, None] = OrderedDict()  # keys written lately, oldest first
+        self._queue: queue.Queue[tuple[str, Callable[[], bytes], Hold] | None] = queue.Queue(max_queued)
+        self._written: OrderedDict[str, Hold] = OrderedDict()  # keys written lately, oldest first
         self._remember = remember
         self._budget = bytes_per_s  # a token bucket of bytes, one second deep
         self._refilled_at = clock()
@@ -242,14 +263,16 @@ class SegmentWriter:
         self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
         self._thread.start()
 
-    def knows(self, key: str) -> bool:
-        """Whether `key` was queued lately (its segment need not be copied out again)."""
-        return key in self._written
+    def knows(self, key: str, hold: Hold = Hold()) -> bool:
+        """Whether `key` was queued lately, held at least as `hold` asks (its segment need not be copied
+        out again)."""
+        known = self._written.get(key)
+        return known is not None and known.covers(hold)
 
-    def submit(self, key: str, num_bytes: int, make_value: Callable[[], bytes]) -> bool:
+    def submit(self, key: str, num_bytes: int, make_value: Callable[[], bytes], hold: Hold = Hold()) -> bool:
         """Queue the value `make_value()` will build (on the writer's thread; about `num_bytes` long) under
-        `key` for every tier; False when it is dropped (known, budget, queue)."""
-        if key in self._written:
+        `key` for the tiers `hold` names; False when it is dropped (known, budget, queue)."""
+        if self.knows(key, hold):
             return False
         if not self._take_budget(num_bytes):
             self._drop("budget")
@@ -257,13 +280,13 @@ class SegmentWriter:
         with self._idle:
             self._num_pending += 1
         try:
-            self._queue.put_nowait((key, make_value))
+            self._queue.put_nowait((key, make_value, hold))
         except queue.Full:
             with self._idle:
                 self._num_pending -= 1
             self._drop("queue")
             return False
-        self._remember_key(key)
+        self._remember_key(key, hold)
         return True
 
     def wait_idle(self, timeout: float) -> bool:
@@ -288,8 +311,9 @@ class SegmentWriter:
         self._budget -= num_bytes
         return True
 
-    def _remember_key(self, key: str) -> None:
-        self._written[key] = None
+    def _remember_key(self, key: str, hold: Hold) -> None:
+        known = self._written.pop(key, None)
+        self._written[key] = hold if known is None else known.join(hold)
         while len(self._written) > self._remember:
             self._written.popitem(last=False)
 
@@ -298,9 +322,9 @@ class SegmentWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, make_value = item
+            key, make_value, hold = item
             try:
-                self.tiers.put(key, make_value())
+                self.tiers.put(key, make_value(), hold)
             except Exception:  # a write must never take the worker down
                 log.exception("kv tier write failed")
             finally:

@@ -15,4 +15,5 @@ def output_to_proto(output: RequestOutput) -> pb.GenerateResponse:
         finish_reason=FINISH_TO_PROTO[output.finish_reason],
         num_prompt_tokens=output.num_prompt_tokens,
         num_cached_tokens=output.num_cached_tokens,
+        num_cache_written_tokens=output.num_cache_written_tokens,
     )

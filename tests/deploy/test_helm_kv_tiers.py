@@ -62,6 +62,7 @@ COMBOS: dict[str, dict[str, Any]] = {
             "writeMbPerS": 64.5,
             "hostCapacityMb": 2048,
             "tenantCapacityMb": 512,
+            "writeThrough": "requested",
             "disk": {"hostPath": "", "capacityMb": 4096},
             "cacheRedis": {"maxMemory": "6gb", "tls": {"enabled": True}, "auth": {"existingSecret": "kv-pw"}},
         },
@@ -90,6 +91,7 @@ EXPECTED = {
         "write_mb_per_s": 256.0,
         "host_capacity_mb": 0,
         "tenant_capacity_mb": 0,
+        "write_through": "always",
     },
     "paired-tls": {
         "disk_path": "/var/lib/kvrelay/kv-tiers",
@@ -102,6 +104,7 @@ EXPECTED = {
         "write_mb_per_s": 64.5,
         "host_capacity_mb": 2048,
         "tenant_capacity_mb": 512,
+        "write_through": "requested",
     },
 }
 

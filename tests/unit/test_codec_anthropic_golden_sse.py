@@ -64,10 +64,13 @@ CLOSE_BLOCK = event("content_block_stop", '{"type":"content_block_stop","index":
 STOP = event("message_stop", '{"type":"message_stop"}')
 
 
-def usage(num_input: int, num_output: int, num_cached: int) -> str:
+def usage(num_input: int, num_output: int, num_cached: int, *, by_ttl: bool = True) -> str:
+    """message_start's usage (`by_ttl`: with the cache_creation split), or message_delta's."""
+    split = ',"cache_creation":{"ephemeral_5m_input_tokens":0,"ephemeral_1h_input_tokens":0}'
+    split = split if by_ttl else ""
     return (
         f'{{"input_tokens":{num_input},"output_tokens":{num_output},'
-        f'"cache_creation_input_tokens":0,"cache_read_input_tokens":{num_cached}}}'
+        f'"cache_creation_input_tokens":0,"cache_read_input_tokens":{num_cached}{split}}}'
     )
 
 
@@ -79,7 +82,7 @@ GOLDEN_END_TURN = (
     + text_delta(" world")
     + text_delta("!")
     + CLOSE_BLOCK
-    + message_delta("end_turn", "null", usage(27, 4, 4))
+    + message_delta("end_turn", "null", usage(27, 4, 4, by_ttl=False))
     + STOP
 )
 
@@ -88,7 +91,7 @@ GOLDEN_STOP_SEQUENCE = (
     + OPEN
     + text_delta("Hello")
     + CLOSE_BLOCK
-    + message_delta("stop_sequence", '" wor"', usage(31, 2, 0))
+    + message_delta("stop_sequence", '" wor"', usage(31, 2, 0, by_ttl=False))
     + STOP
 )
 
@@ -98,7 +101,7 @@ GOLDEN_MAX_TOKENS = (
     + text_delta("Hello")
     + text_delta(" world")
     + CLOSE_BLOCK
-    + message_delta("max_tokens", "null", usage(31, 2, 0))
+    + message_delta("max_tokens", "null", usage(31, 2, 0, by_ttl=False))
     + STOP
 )
 

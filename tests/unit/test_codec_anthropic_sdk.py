@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import anthropic
@@ -10,6 +11,7 @@ import httpx2
 import pytest
 from anthropic.types import MessageParam
 
+from services.codec.backend.protocol import GenerationRequest, TokenDelta
 from services.codec.text.tokenizer import Tokenizer
 from tests.codec_fakes import (
     MODEL_NAME,
@@ -227,3 +229,50 @@ def test_mid_stream_failure_raises_api_status_error(
         client.messages.stream(model=MODEL_NAME, max_tokens=32, messages=HI) as stream,
     ):
         stream.get_final_message()
+
+
+def test_cache_control_breakpoints_end_where_their_blocks_end_and_the_usage_splits_what_was_written(
+    client: anthropic.Anthropic, fake: FakeBackend, tokenizer: Tokenizer
+) -> None:
+    rules = "Rule one: be brief. Rule two: be kind."
+    policy = "Policy: tide tables only."
+    tool = {"name": "tides", "description": "Tide tables", "input_schema": {"type": "object"}}
+    play = scripted([ids(tokenizer, "Ok")])
+
+    def script(request: GenerationRequest) -> list[TokenDelta]:  # the worker's count of what it wrote
+        return [replace(delta, num_cache_written_tokens=(32, 0, 16, 5)) for delta in play(request)]
+
+    fake.script = script
+    message = client.messages.create(
+        model=MODEL_NAME,
+        max_tokens=8,
+        tools=[{**tool, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],  # type: ignore[list-item]
+        system=[{"type": "text", "text": rules, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": policy, "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": "When is high tide?"},
+                ],
+            }
+        ],
+        cache_control={"type": "ephemeral"},
+    )
+    prompt = fake.seen[0].prompt_token_ids
+    points = fake.seen[0].cache_breakpoints
+    assert [p.ttl_s for p in points] == [3600, 3600, 300, 300]
+    ends = [tokenizer.decode(prompt[: p.num_tokens], skip_special_tokens=False) for p in points]
+    assert ends[0].endswith('"description": "Tide tables"}\n')  # right after the marked tool
+    # SmolLM2's template writes the system prompt before the tools: that breakpoint ends with the tools'.
+    assert rules in ends[1] and points[1].num_tokens == points[0].num_tokens
+    assert ends[2].endswith(policy + "\n")  # right after the marked block (and the blocks' separator)
+    assert points[3].num_tokens == len(prompt)  # the top-level one: the whole prompt
+    usage = message.usage
+    assert usage.cache_creation is not None
+    assert (
+        usage.cache_creation.ephemeral_1h_input_tokens,
+        usage.cache_creation.ephemeral_5m_input_tokens,
+    ) == (32, 21)
+    assert usage.cache_creation_input_tokens == 53 and usage.cache_read_input_tokens == 0
+    assert usage.input_tokens == len(prompt) - 53

@@ -7,6 +7,8 @@ import pytest
 
 from services.common.engine_input import (
     MAX_CACHE_SALT_BYTES,
+    CacheBreakpoint,
+    cache_written_tokens,
     check_prompt,
     check_request,
     check_unique,
@@ -71,3 +73,26 @@ def test_the_core_runs_a_checked_request_without_checking_it_again(monkeypatch: 
     outputs = drain(engine)
     assert calls == []
     assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 2
+
+
+@pytest.mark.parametrize(
+    "points",
+    [
+        [CacheBreakpoint(4, 300)] * 5,  # over the limit
+        [CacheBreakpoint(3, 300), CacheBreakpoint(2, 300)],  # out of prompt order
+        [CacheBreakpoint(6, 300)],  # past the prompt
+        [CacheBreakpoint(4, 0)],  # kept no time
+        [CacheBreakpoint(4, 24 * 3600 + 1)],  # longer than a client may ask
+    ],
+)
+def test_cache_breakpoints_out_of_range_are_refused_naming_them(points: list[CacheBreakpoint]) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        check_request("r", [1, 2, 3, 4, 5], SamplingParams(), 10, cache_breakpoints=points)
+    assert refused.value.param == "cache_breakpoints"
+
+
+def test_the_tokens_written_per_breakpoint_are_whole_blocks_past_the_cached_ones() -> None:
+    points = [CacheBreakpoint(40, 3600), CacheBreakpoint(40, 300), CacheBreakpoint(100, 300)]
+    assert cache_written_tokens(points, 0, 16) == (32, 0, 64)  # 40 -> 32, 100 -> 96
+    assert cache_written_tokens(points, 48, 16) == (0, 0, 48)  # the cache reached past the first
+    assert cache_written_tokens(points, 96, 16) == (0, 0, 0)

@@ -13,7 +13,7 @@ import pytest
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.segment import SegmentMiss
 from services.kvcache.tier import Breaker, TierUnavailable
-from services.kvcache.tier_set import SegmentSize, SegmentWriter, TierSet
+from services.kvcache.tier_set import Hold, SegmentSize, SegmentWriter, TierSet
 
 NS = "0123456789abcdef"
 KEYS = [f"kv1:{NS}:-:{i:064x}" for i in range(4)]
@@ -23,10 +23,12 @@ SIZE = SegmentSize(num_bytes=5, num_tokens=32)
 class DictTier:
     """A store in a dict, or one that is down (`is_down`): a seam, not a backend."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, outlives_worker: bool = True) -> None:
         self.name = name
+        self.outlives_worker = outlives_worker
         self.evictions = 0
         self.values: dict[str, bytes] = {}
+        self.ttls: dict[str, int | None] = {}  # the lifetime each put asked for, the last one
         self.is_down = False
         self.num_calls = 0
 
@@ -39,8 +41,9 @@ class DictTier:
         self._answer()
         return self.values.get(key)
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
         self._answer()
+        self.ttls[key] = ttl_s
         return self.values.setdefault(key, value) is value
 
     def contains(self, keys: list[str]) -> list[bool]:
@@ -122,6 +125,24 @@ def test_the_writer_writes_every_tier_once_and_a_down_tier_does_not_stop_the_oth
     writer.close()
 
 
+def test_a_write_held_in_memory_skips_the_lasting_tiers_and_a_longer_hold_writes_again() -> None:
+    host, shared = DictTier("host", outlives_worker=False), DictTier("shared")
+    writer = SegmentWriter(TierSet([host, shared]))
+    assert writer.submit(KEYS[0], 5, lambda: b"good0", Hold(through=False))
+    assert writer.wait_idle(10)
+    assert KEYS[0] in host.values and KEYS[0] not in shared.values
+    assert not writer.submit(KEYS[0], 5, lambda: b"good0", Hold(through=False))  # nothing to add
+    assert writer.submit(KEYS[0], 5, lambda: b"good0", Hold(through=True, ttl_s=300))  # now through
+    assert writer.wait_idle(10)
+    assert shared.values[KEYS[0]] == b"good0" and shared.ttls[KEYS[0]] == 300
+    assert not writer.knows(KEYS[0], Hold(through=True, ttl_s=3600))
+    assert writer.knows(KEYS[0], Hold(through=False, ttl_s=60))
+    assert writer.submit(KEYS[0], 5, lambda: b"good0", Hold(through=True, ttl_s=3600))  # a longer life
+    assert writer.wait_idle(10)
+    assert shared.ttls[KEYS[0]] == 3600
+    writer.close()
+
+
 def test_the_writer_drops_what_exceeds_its_byte_budget() -> None:
     shared = DictTier("shared")
     now = [0.0]
@@ -140,7 +161,7 @@ def test_the_writer_drops_when_its_queue_is_full() -> None:
     shared = DictTier("shared")
     gate = threading.Event()
 
-    def slow_put(key: str, value: bytes) -> bool:
+    def slow_put(key: str, value: bytes, ttl_s: int | None = None) -> bool:
         gate.wait(10)  # holds the writer thread until the test opens the gate
         shared.values[key] = value
         return True

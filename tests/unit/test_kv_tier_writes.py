@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from services.common.block_hash import hash_token_blocks
+from services.common.engine_input import CacheBreakpoint
 from services.common.sampling import SamplingParams
-from services.engine.core import EngineCore
+from services.engine.core import EngineCore, RequestOutput
 from services.engine.kv_tiers import KVTiers, SegmentReads, SegmentWrites
 from services.kvcache.disk_tier import DiskTier
+from services.kvcache.host_tier import HostTier
 from services.kvcache.segment import Namespace, SegmentMiss, decode, segment_key
 from services.kvcache.tier_set import SegmentWriter, TierSet
 from tests.engine_fakes import FAKE_MANIFEST, FAKE_MODEL, make_fake_engine
@@ -256,3 +258,50 @@ def test_a_damaged_foreign_or_missing_segment_is_a_miss_that_recomputes(
     engine.close()  # the writes finish: the recomputed segment is written through again, whole
     seg_hashes = hashes[segment * SEGMENT // BLOCK : (segment + 1) * SEGMENT // BLOCK]
     assert decode(path.read_bytes(), NS, b"", segment * SEGMENT, seg_hashes)
+
+
+def test_a_cache_breakpoint_writes_its_prefix_through_and_is_read_back_to_its_block(tmp_path: Path) -> None:
+    """Writing through only what was asked (`write_through: requested`): a request without a breakpoint
+    leaves its segments in the host tier only; one with a breakpoint inside its second segment writes the
+    first segment and the tail up to the breakpoint's block to disk; a fresh engine with that disk reads
+    both back for a request that asks again, and only the whole segment for one that does not."""
+
+    def engine_on(disk: DiskTier) -> tuple[EngineCore, HostTier, SegmentWriter]:
+        engine = make_fake_engine(kv_cache_memory_mb=4, block_size=BLOCK)
+        host = HostTier(1 << 30)
+        tiers = TierSet([host, disk])
+        writer = SegmentWriter(tiers)
+        writes = SegmentWrites(NS, SEGMENT, writer, engine.runner.read_kv, write_through=False)
+        reads = SegmentReads(NS, SEGMENT, tiers, engine.runner.write_kv, 60.0, torch.device("cpu"))
+        engine.use_tiers(KVTiers(tiers, writes, reads))
+        return engine, host, writer
+
+    def run(
+        engine: EngineCore, request_id: str, prompt: list[int], *points: CacheBreakpoint
+    ) -> RequestOutput:
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.add_request(request_id, prompt, greedy, cache_salt=b"t", cache_breakpoints=points)
+        return drain(engine)[-1]
+
+    disk = DiskTier(tmp_path, 1 << 30)
+    first, host, writer = engine_on(disk)
+    asked = [(3 * i) % 100 + 2 for i in range(70)]
+    plain = [(11 * i) % 100 + 2 for i in range(70)]
+    assert run(first, "plain", plain).num_cache_written_tokens == ()
+    output = run(first, "asked", asked, CacheBreakpoint(50, 3600))
+    assert output.num_cache_written_tokens == (48,)  # up to the breakpoint's block, all computed here
+    assert writer.wait_idle(10)
+    first.close()
+    hashes = hash_token_blocks(first.root_hash, asked, BLOCK, b"t")
+    on_disk = [segment_key(NS, b"t", hashes[i]) for i in (1, 2)]  # [0, 32) and the tail [32, 48)
+    assert disk.contains(on_disk) == [True, True] and len(list(tmp_path.rglob("*.kvs"))) == 2
+    plain_hashes = hash_token_blocks(first.root_hash, plain, BLOCK, b"t")
+    assert host.contains([segment_key(NS, b"t", plain_hashes[i]) for i in (1, 3)]) == [True, True]
+    second, *_ = engine_on(disk)  # a restarted worker: an empty pool and host tier, the same disk
+    again = run(second, "again", asked, CacheBreakpoint(50, 3600))
+    assert (again.num_cached_tokens, again.num_cache_written_tokens) == (48, (0,))
+    second.close()
+    third, *_ = engine_on(disk)
+    assert run(third, "unasked", asked).num_cached_tokens == 32  # the tail is looked up where asked only
+    assert run(third, "plain", plain).num_cached_tokens == 0  # it never went to disk
+    third.close()

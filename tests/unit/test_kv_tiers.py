@@ -16,7 +16,7 @@ import redis
 from services.common.cache_redis import start_cache_redis, stop_cache_redis
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.host_tier import HostTier
-from services.kvcache.redis_tier import RedisTier
+from services.kvcache.redis_tier import RedisTier, tenant_keys
 from services.kvcache.tier import Breaker, TierUnavailable
 from tests.ports import free_port
 
@@ -95,10 +95,29 @@ def test_the_shared_tier_stores_once_refreshes_on_a_hit_and_expires(cache_redis:
     assert not tier.put(key(1), b"shared segment")
     tier.client.expire(key(1), 5)
     assert tier.get(key(1)) == b"shared segment"
-    assert tier.client.ttl(key(1)) > 5  # GETEX: the hit restored the full TTL
+    assert tier.client.ttl(key(1)) > 5  # the hit restored the full TTL
     assert tier.contains([key(1), key(2)]) == [True, False]
     tier.delete(key(1))
     assert tier.contains([key(1)]) == [False]
+    tier.close()
+
+
+@pytest.mark.parametrize("tenant_capacity_bytes", [0, 1 << 20])
+def test_a_longer_lifetime_asked_extends_a_segment_and_nothing_shortens_it(
+    cache_redis: str, tenant_capacity_bytes: int
+) -> None:
+    tier = RedisTier.from_url(cache_redis, 60, 1.0, tenant_capacity_bytes=tenant_capacity_bytes)
+    tier.client.flushdb()
+    assert tier.put(key(1), b"5m", ttl_s=30)  # shorter than the tier's own: the tier's
+    assert 30 < tier.client.ttl(key(1)) <= 60
+    assert not tier.put(key(1), b"5m", ttl_s=86_400)  # stored already: its lifetime grows
+    assert tier.client.ttl(key(1)) > 86_000
+    assert not tier.put(key(1), b"5m", ttl_s=300)
+    assert tier.get(key(1)) == b"5m"
+    assert tier.client.ttl(key(1)) > 86_000  # neither a shorter write nor a hit shortens it
+    if tenant_capacity_bytes:  # the tenant's count lives as long as its longest segment
+        index, _, count = tenant_keys(key(1))
+        assert tier.client.ttl(index) > 86_000 and tier.client.ttl(count) > 86_000
     tier.close()
 
 

@@ -46,6 +46,7 @@ from services.codec.generation import GenerationStream, Generator, build_samplin
 from services.codec.metrics import RequestStats
 from services.common import tracing
 from services.common.config import KvrelayConfig, LimitsConfig
+from services.common.engine_input import CacheBreakpoint
 from services.common.errors import ContextLengthExceededError, InvalidRequestError
 from services.common.grammar import Constraint, GrammarSpec
 
@@ -182,6 +183,7 @@ class Gate:
         timeout_s: float | None,
         cache_salt: bytes,
         session_key: str = "",
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> GenerationRequest:
         """The request to start, after the context rules and sampling validation. Refusals raise
         InvalidRequestError subclasses. `cache_salt` comes from the authenticated tenant only."""
@@ -204,6 +206,7 @@ class Gate:
             timeout_s=timeout_s,
             session_key=session_key,
             cache_salt=cache_salt,
+            cache_breakpoints=cache_breakpoints,
         )
 
     async def start(

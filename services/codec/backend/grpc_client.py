@@ -19,7 +19,12 @@ from services.codec.backend.protocol import (
 from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
-from services.common.proto_convert import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
+from services.common.proto_convert import (
+    FINISH_FROM_PROTO,
+    breakpoints_to_proto,
+    logprob_from_proto,
+    sampling_to_proto,
+)
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 
@@ -63,6 +68,7 @@ class GrpcBackend:
             session_key=request.session_key,
             cache_salt=request.cache_salt,
             priority=request.priority,
+            cache_breakpoints=breakpoints_to_proto(request.cache_breakpoints),
         )
         # The request's trace goes on in the router: the current span (the request's) is its parent.
         metadata = tracing.inject(self.tokens.metadata(request.request_id))
@@ -115,6 +121,7 @@ def _delta(response: pb.GenerateResponse) -> TokenDelta:
         finish_reason=FINISH_FROM_PROTO.get(response.finish_reason),
         num_prompt_tokens=response.num_prompt_tokens,
         num_cached_tokens=response.num_cached_tokens,
+        num_cache_written_tokens=tuple(response.num_cache_written_tokens),
     )
 
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from services.common.engine_input import CacheBreakpoint
 from services.common.errors import KvrelayError
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
@@ -50,6 +51,8 @@ class GenerationRequest:
     # from the request body.
     cache_salt: bytes = b""
     priority: int = 0
+    # Prefixes the client asked to keep (cache_control, prompt_cache_retention "24h"), in prompt order.
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class TokenDelta:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_cache_written_tokens: tuple[int, ...] = ()  # per cache breakpoint, with num_cached_tokens
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,11 @@ message_start waits for the generation's first event, so that its usage already 
 into cached and uncached tokens. A failure after the first byte is one `event: error` with
 `{"type": "error", "error": {"type", "message"}}`, then the stream ends.
 
-Usage: `input_tokens` counts the uncached prompt tokens, `cache_read_input_tokens` the cached ones
-and `cache_creation_input_tokens` is 0, so the three add up to the prompt length, which is what
-count_tokens returns as `input_tokens` for the same body (tools included).
+Usage: `cache_read_input_tokens` counts the prompt tokens served from the prefix cache and the tiers below
+it, `cache_creation_input_tokens` those up to the last `cache_control` breakpoint that this request
+computed and wrote (whole blocks; `cache_creation` splits them by ttl; protocols/cache_retention.py), and
+`input_tokens` the rest, so the three add up to the prompt length, which is what count_tokens returns as
+`input_tokens` for the same body (tools included).
 
 Admission is the OpenAI routes' (`protocols/common.admit_and_start`, the gate): over quota is a 429
 `rate_limit_error`, a full queue a 529 `overloaded_error`, both with Retry-After.
@@ -66,6 +68,7 @@ from services.codec.admission.tenancy import tenant_of
 from services.codec.errors import ANTHROPIC_REQUEST_ID_HEADER, WireError
 from services.codec.generation import SampleFinished, TextDelta, Usage
 from services.codec.metrics import RequestStats
+from services.codec.protocols.cache_retention import anthropic_breakpoints, creation_by_ttl
 from services.codec.protocols.common import admit_and_start, open_route, stream_response
 from services.codec.protocols.output import (
     AssistantEvent,
@@ -87,6 +90,7 @@ from services.codec.protocols.sse import encode_event
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.codec.state import CodecState, codec_state, request_id
 from services.codec.text.tool_calls import JsonPlace, json_places, new_call_id
+from services.common.engine_input import CacheBreakpoint
 from services.common.outputs import FinishReason
 
 PROTOCOL = "anthropic.messages"
@@ -101,6 +105,7 @@ router = APIRouter()
 async def create_message(request: Request) -> Response:
     state, stats, body = await open_route(request, MessagesRequest, PROTOCOL)
     prompt_ids, plan = await _prepare_prompt(state, body)
+    breakpoints = await anthropic_breakpoints(state, body, prompt_ids)
     generation = await admit_and_start(
         request,
         state,
@@ -111,8 +116,9 @@ async def create_message(request: Request) -> Response:
         logprobs=None,
         prompt_param=PROMPT_PARAM,
         session_key=_session_key(request, state, body),
+        cache_breakpoints=breakpoints,
     )
-    head = _MessageHead(f"{ID_PREFIX}{uuid.uuid4().hex}", state.identity.model_name)
+    head = _MessageHead(f"{ID_PREFIX}{uuid.uuid4().hex}", state.identity.model_name, breakpoints)
     headers = {ANTHROPIC_REQUEST_ID_HEADER: request_id(request)}
     if body.is_stream:
         events = _events(assistant_events(generation, plan), head, stats, plan)
@@ -121,7 +127,7 @@ async def create_message(request: Request) -> Response:
         return response
     samples, usage = await collect_output_unless_gone(request, generation, plan, 1)
     sample = samples[0]
-    return JSONResponse(head.body(_content(sample), sample.finish, usage_body(usage)), headers=headers)
+    return JSONResponse(head.body(_content(sample), sample.finish, head.usage(usage)), headers=headers)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -170,9 +176,26 @@ class _MessageHead:
 
     id: str
     model: str
+    breakpoints: tuple[CacheBreakpoint, ...] = ()  # the request's cache_control, for the usage
+
+    def usage(self, counts: Usage | RequestStats, *, by_ttl: bool = True) -> dict[str, Any]:
+        """The usage so far (`counts`): `input_tokens`, `cache_read_input_tokens` and
+        `cache_creation_input_tokens` add up to the prompt. `by_ttl`: with `cache_creation`, the split
+        of the creation tokens by ttl (the message's usage has it; message_delta's does not)."""
+        creation = creation_by_ttl(self.breakpoints, counts.num_cache_written_tokens)
+        num_created = sum(creation.values())
+        out: dict[str, Any] = {
+            "input_tokens": counts.num_prompt_tokens - counts.num_cached_tokens - num_created,
+            "output_tokens": counts.num_completion_tokens,
+            "cache_creation_input_tokens": num_created,
+            "cache_read_input_tokens": counts.num_cached_tokens,
+        }
+        if by_ttl:
+            out["cache_creation"] = creation
+        return out
 
     def body(
-        self, content: list[dict[str, Any]], finish: SampleFinished | None, usage: dict[str, int]
+        self, content: list[dict[str, Any]], finish: SampleFinished | None, usage: dict[str, Any]
     ) -> dict[str, Any]:
         stop_reason, stop_sequence = stop_fields(finish)
         return {
@@ -199,19 +222,6 @@ def stop_fields(finish: SampleFinished | None) -> tuple[str | None, str | None]:
     if finish.reason is FinishReason.LENGTH:
         return "max_tokens", None  # admission keeps prompt + max_tokens within the context
     return "end_turn", None
-
-
-def usage_body(usage: Usage) -> dict[str, int]:
-    return _usage(usage.num_prompt_tokens, usage.num_cached_tokens, usage.num_completion_tokens)
-
-
-def _usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    return {
-        "input_tokens": num_prompt_tokens - num_cached_tokens,
-        "output_tokens": num_output_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": num_cached_tokens,
-    }
 
 
 def _content(sample: CollectedOutput) -> list[dict[str, Any]]:
@@ -368,15 +378,14 @@ async def _events(
             stop_reason, stop_sequence = stop_fields(finish)
             out = blocks.finish()
             delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-            out.append(_event("message_delta", delta=delta, usage=usage_body(event)))
+            out.append(_event("message_delta", delta=delta, usage=head.usage(event, by_ttl=False)))
             out.append(_event("message_stop"))
         for chunk in out:
             yield chunk
 
 
 def _opening_events(head: _MessageHead, stats: RequestStats, *, with_text_block: bool) -> list[bytes]:
-    usage = _usage(stats.num_prompt_tokens, stats.num_cached_tokens, stats.num_completion_tokens)
-    opening = [_event("message_start", message=head.body([], None, usage))]
+    opening = [_event("message_start", message=head.body([], None, head.usage(stats)))]
     if with_text_block:
         opening.append(_event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
     return [*opening, _event("ping")]

@@ -29,6 +29,7 @@ from services.codec.protocols.disconnect import unless_client_leaves
 from services.codec.protocols.request_body import read_request
 from services.codec.protocols.sse import EventStreamResponse, encode_event
 from services.codec.state import CodecState, backend_request_id, codec_state, request_id, request_stats
+from services.common.engine_input import CacheBreakpoint
 from services.common.outputs import TokenLogprob
 
 
@@ -72,6 +73,7 @@ async def admit_and_start(
     logprobs: int | None,
     prompt_param: str,
     session_key: str = "",
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
 ) -> GenerationStream:
     """The gate's context rules and sampling validation, quotas, a slot, then the backend. Every refusal
     happens before any byte and reaches the client through the registered error handler."""
@@ -88,6 +90,7 @@ async def admit_and_start(
             timeout_s=state.request_timeout_s,
             cache_salt=tenant.cache_salt,
             session_key=session_key,
+            cache_breakpoints=cache_breakpoints,
         )
     except BackendUnavailableError:  # the server's failure, not the request's: its entry charge comes back
         await state.gate.quotas.refund(request.state.request_charge)

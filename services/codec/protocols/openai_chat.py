@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.codec.admission.tenancy import tenant_of
 from services.codec.generation import SampleFinished, TextDelta, Usage
-from services.codec.protocols.cache_retention import check_retention
+from services.codec.protocols.cache_retention import check_retention, retention_breakpoints
 from services.codec.protocols.common import (
     Envelope,
     admit_and_start,
@@ -73,6 +73,7 @@ async def create_chat_completion(request: Request) -> Response:
             model=state.identity.model_name,
             messages=messages,
         ),
+        cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
     )
     envelope = Envelope.new(
         ID_PREFIX, "chat.completion.chunk" if body.is_stream else "chat.completion", state

@@ -60,7 +60,7 @@ from services.codec.errors import (
     error_response,
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
-from services.codec.protocols.cache_retention import check_retention
+from services.codec.protocols.cache_retention import check_retention, retention_breakpoints
 from services.codec.protocols.common import admit_and_start, open_route, run_unless_gone, stream_response
 from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
 from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
@@ -154,6 +154,7 @@ async def create_response(request: Request) -> Response:
                 model=state.identity.model_name,
                 messages=history,
             ),
+            cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
         )
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None

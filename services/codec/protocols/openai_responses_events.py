@@ -228,7 +228,10 @@ def error_payload(error: WireError) -> dict[str, Any]:
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.num_prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.num_cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": usage.num_cached_tokens,
+            "cache_write_tokens": sum(usage.num_cache_written_tokens),  # with prompt_cache_retention "24h"
+        },
         "output_tokens": usage.num_completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.num_prompt_tokens + usage.num_completion_tokens,

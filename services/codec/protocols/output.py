@@ -106,9 +106,8 @@ async def prepare(
     assistant = state.assistant
     if tools is not None and tools.is_active and not tools.is_forced:
         await _check_tool_schemas(state, tools)  # a forced grammar compiles them; under auto, each alone
-    chosen = template or assistant.template_for(tools, messages) or state.require_chat_template()
+    chosen, variables = _template(state, messages, tools, thinking, template)
     thinks = assistant.can_think and (thinking is None or thinking.enabled)
-    variables = {"enable_thinking": thinks} if assistant.can_think else None
     prompt_ids = await state.encoder.chat(
         chosen, messages, tools=tools.template_tools() if tools else None, variables=variables
     )
@@ -129,6 +128,47 @@ async def prepare(
         tools, assistant.call_format, thinks, opened, None if spec is None else Constraint(spec, param)
     )
     return prompt_ids, plan
+
+
+async def shared_prefix_lengths(
+    state: CodecState,
+    prompt_ids: list[int],
+    messages: Sequence[Mapping[str, Any]],
+    variants: Sequence[tuple[Sequence[Mapping[str, Any]], ToolSet | None] | None],
+    *,
+    tools: ToolSet | None,
+    thinking: Thinking | None,
+) -> list[int]:
+    """For each variant of the conversation `prepare` made `prompt_ids` of, the prompt tokens its prompt
+    shares with `prompt_ids` (text/prompts.py shared_prefix_lengths; None: the whole prompt)."""
+    chosen, variables = _template(state, messages, tools, thinking, None)
+
+    def conversation(
+        messages: Sequence[Mapping[str, Any]], tools: ToolSet | None
+    ) -> tuple[Sequence[Mapping[str, Any]], list[dict[str, Any]] | None]:
+        return messages, tools.template_tools() if tools is not None else None
+
+    return await state.encoder.shared_prefix_lengths(
+        chosen,
+        prompt_ids,
+        conversation(messages, tools),
+        [None if variant is None else conversation(*variant) for variant in variants],
+        variables,
+    )
+
+
+def _template(
+    state: CodecState,
+    messages: Sequence[Mapping[str, Any]],
+    tools: ToolSet | None,
+    thinking: Thinking | None,
+    template: ChatTemplate | None,
+) -> tuple[ChatTemplate, dict[str, Any] | None]:
+    """The template `prepare` renders with, and its variables."""
+    assistant = state.assistant
+    chosen = template or assistant.template_for(tools, messages) or state.require_chat_template()
+    thinks = assistant.can_think and (thinking is None or thinking.enabled)
+    return chosen, {"enable_thinking": thinks} if assistant.can_think else None
 
 
 async def _check_tool_schemas(state: CodecState, tools: ToolSet) -> None:

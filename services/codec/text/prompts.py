@@ -54,6 +54,59 @@ def encode_chat(
         return tokenizer.encode(text, add_special_tokens=False)
 
 
+Conversation = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]] | None]  # messages, tools
+
+
+def shared_prefix_lengths(
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    conversation: Conversation,
+    variants: Sequence[Conversation | None],
+    variables: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """For each variant of `conversation` (the one `prompt_ids` encodes, with the generation prompt), the
+    prompt tokens its rendering shares with the conversation's: the text both renderings start with,
+    encoded, as far as its tokens match `prompt_ids` (a token across the boundary does not). None stands
+    for the whole prompt; a variant the template refuses shares nothing."""
+    extra = dict(variables or {})
+    text = template.render(conversation[0], tools=conversation[1], **extra)
+    lengths = []
+    for variant in variants:
+        if variant is None:
+            lengths.append(len(prompt_ids))
+            continue
+        try:
+            other = template.render(variant[0], tools=variant[1], **extra)
+        except InvalidRequestError:
+            lengths.append(0)
+            continue
+        shared = tokenizer.encode(text[: _shared_chars(text, other)], add_special_tokens=False)
+        lengths.append(_shared_items(shared, prompt_ids))
+    return lengths
+
+
+def _shared_chars(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share (by halving: slices compare in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _shared_items(a: Sequence[int], b: Sequence[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
 def encode_text(
     tokenizer: Tokenizer,
     text: str,
@@ -124,6 +177,20 @@ class PromptEncoder:
             max_bytes=self.max_bytes,
             tools=tools,
             variables=variables,
+        )
+        return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+
+    async def shared_prefix_lengths(
+        self,
+        template: ChatTemplate,
+        prompt_ids: Sequence[int],
+        conversation: Conversation,
+        variants: Sequence[Conversation | None],
+        variables: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """`shared_prefix_lengths` in the pool (a render and an encode per variant)."""
+        work = functools.partial(
+            shared_prefix_lengths, template, self.tokenizer, prompt_ids, conversation, variants, variables
         )
         return await anyio.to_thread.run_sync(work, limiter=self.limiter)
 

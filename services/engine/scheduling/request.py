@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.common.block_hash import BlockHasher
+from services.common.engine_input import CacheBreakpoint
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 
@@ -52,6 +53,8 @@ class Request:
     matcher: LLMatcher | None = None
     # The tenant's prefix-cache namespace, also mixed into every block hash (block_hasher).
     cache_salt: bytes = b""
+    # Prefixes the client asked to keep below the pool, and for how long (kv_tiers.py SegmentWrites).
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

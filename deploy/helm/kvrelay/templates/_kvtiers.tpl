@@ -45,7 +45,8 @@
 {{- $keys := dict
       "segment_tokens" (int $t.segmentTokens) "ttl_s" (int $t.ttlSeconds) "timeout_ms" (int $t.timeoutMs)
       "fetch_deadline_ms" (int $t.fetchDeadlineMs) "write_mb_per_s" $t.writeMbPerS
-      "host_capacity_mb" (int $t.hostCapacityMb) "tenant_capacity_mb" (int $t.tenantCapacityMb) }}
+      "host_capacity_mb" (int $t.hostCapacityMb) "tenant_capacity_mb" (int $t.tenantCapacityMb)
+      "write_through" $t.writeThrough }}
 {{- if $t.disk.enabled }}
 {{- $_ := set $keys "disk_path" (include "kvrelay.kvTiersDiskDir" .) }}
 {{- $_ := set $keys "disk_capacity_mb" (int $t.disk.capacityMb) }}

@@ -9,9 +9,9 @@ Fields fall in three groups:
   none, disable_parallel_tool_use), as a `ToolSet` (text/tool_calls.py); `tool_use` blocks in assistant
   messages and `tool_result` blocks in user messages (text, JSON, is_error), for the chat template;
   thinking (enabled with budget_tokens / adaptive / disabled) as a `Thinking` (text/reasoning.py);
-- checked: cache_control (top level, on text blocks, tools and tool blocks): at most 4 in a request,
-  1h ones before 5m ones, none on an empty text block (`cache_breakpoints`); the tiers keep their
-  default lifetime for now;
+  cache_control (top level, on text blocks, tools and tool blocks): at most 4 in a request, 1h ones
+  before 5m ones, none on an empty text block (`cache_breakpoints`); the prompt up to each is kept in
+  the KV tiers that long (`marked` finds where it ends; anthropic_messages.py);
 - accepted and ignored: service_tier, citations on text blocks, inference_geo, speed, diagnostics,
   user_profile_id, workspace_id, output_config.effort, thinking.display, a tool's input_examples,
   defer_loading, eager_input_streaming and allowed_callers; `thinking` and `redacted_thinking` blocks in
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -50,6 +50,19 @@ MAX_STOP_SEQUENCES = 16  # a server limit: each one is matched against every tok
 MAX_USER_ID_LEN = 256
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 MAX_CACHE_BREAKPOINTS = 4  # blocks with cache_control in one request, the top-level one included
+MARK = "\ue000"  # a private-use character: text no template writes (PromptFields.marked)
+MARK_TOOL = "kvrelay_cache_mark"
+_TOOLS, _SYSTEM, _MESSAGES = range(3)  # where a CachePoint is: (_TOOLS, i), (_SYSTEM, i), (_MESSAGES, n, i)
+
+
+class CachePoint(NamedTuple):
+    """One `cache_control`: its param, its ttl ("5m" or "1h"), and where its block is (() for the
+    top-level one)."""
+
+    param: str
+    ttl: str
+    where: tuple[int, ...]
+
 
 # Block types the API defines that a text-only server cannot take (anthropic 2.14 ContentBlockParam).
 UNSUPPORTED_BLOCK_TYPES = Literal[
@@ -405,38 +418,37 @@ class PromptFields(Strict):
     def _max_tokens(self) -> int | None:
         return None
 
-    def cache_breakpoints(self) -> list[tuple[str, str]]:
-        """Each `cache_control` as (its param, its ttl), in the prompt's order (tools, system, messages,
-        then the top-level one, which marks the last block); a 400 for more than MAX_CACHE_BREAKPOINTS,
-        a 1h breakpoint after a 5m one, or one on an empty text block. (On a thinking block it is an
-        unknown field already.)"""
-        points: list[tuple[str, str]] = []
+    def cache_breakpoints(self) -> list[CachePoint]:
+        """Each `cache_control`, in the prompt's order (tools, system, messages, then the top-level one,
+        which marks the last block); a 400 for more than MAX_CACHE_BREAKPOINTS, a 1h breakpoint after a
+        5m one, or one on an empty text block. (On a thinking block it is an unknown field already.)"""
+        points: list[CachePoint] = []
 
-        def mark(param: str, control: CacheControl | None, block: Any = None) -> None:
+        def mark(param: str, control: CacheControl | None, where: tuple[int, ...], block: Any = None) -> None:
             if control is None:
                 return
             if isinstance(block, TextBlock) and not block.text:
                 raise InvalidRequestError("cache_control cannot be set on an empty text block", param)
-            points.append((param, control.lifetime))
+            points.append(CachePoint(param, control.lifetime, where))
 
         for index, tool in enumerate(self.tools or ()):
             if isinstance(tool, CustomTool):
-                mark(f"tools[{index}].cache_control", tool.cache_control)
+                mark(f"tools[{index}].cache_control", tool.cache_control, (_TOOLS, index))
         for index, text in enumerate(self.system if isinstance(self.system, list) else ()):
-            mark(f"system[{index}].cache_control", text.cache_control, text)
+            mark(f"system[{index}].cache_control", text.cache_control, (_SYSTEM, index), text)
         for number, message in enumerate(self.messages):
             for index, block in enumerate(message.content if isinstance(message.content, list) else ()):
                 where = f"messages[{number}].content[{index}].cache_control"
-                mark(where, getattr(block, "cache_control", None), block)
-        mark("cache_control", self.cache_control)
+                mark(where, getattr(block, "cache_control", None), (_MESSAGES, number, index), block)
+        mark("cache_control", self.cache_control, ())
         if len(points) > MAX_CACHE_BREAKPOINTS:
             raise InvalidRequestError(
                 f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control (the top-level one "
                 f"included); found {len(points)}",
-                points[MAX_CACHE_BREAKPOINTS][0],
+                points[MAX_CACHE_BREAKPOINTS].param,
             )
         after_5m = False
-        for param, ttl in points:
+        for param, ttl, _ in points:
             if ttl == "1h" and after_5m:
                 raise InvalidRequestError(
                     'a cache_control with ttl "1h" cannot come after one with ttl "5m": put the 1h '
@@ -445,6 +457,22 @@ class PromptFields(Strict):
                 )
             after_5m = after_5m or ttl == "5m"
         return points
+
+    def marked(self, point: CachePoint) -> PromptFields | None:
+        """A copy of these fields with a marker right after the block that carries `point`: its prompt
+        text is the original's up to the breakpoint, then differs. None for the top-level cache_control,
+        which marks the whole prompt."""
+        if not point.where:
+            return None
+        copy = self.model_copy(deep=True)
+        kind, index, *inner = point.where
+        if kind == _TOOLS and copy.tools is not None:
+            copy.tools.insert(index + 1, CustomTool(name=MARK_TOOL, input_schema={"type": "object"}))
+        elif kind == _SYSTEM and isinstance(copy.system, list):
+            copy.system.insert(index + 1, TextBlock(type="text", text=MARK))
+        elif kind == _MESSAGES and isinstance(content := copy.messages[index].content, list):
+            content.insert(inner[0] + 1, TextBlock(type="text", text=MARK))
+        return copy
 
     def toolset(self) -> ToolSet | None:
         """The offered tools and the choice; a 400 for a tool or a choice that cannot be honoured."""

@@ -74,7 +74,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_key", "cache_salt", "priority", "deadline_unix_ms", "remote_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_key", "cache_salt", "priority", "deadline_unix_ms", "remote_prefill", "cache_breakpoints")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BREAKPOINTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -91,7 +92,16 @@ class GenerateRequest(_message.Message):
     priority: int
     deadline_unix_ms: int
     remote_prefill: RemotePrefill
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_key: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
+    cache_breakpoints: _containers.RepeatedCompositeFieldContainer[CacheBreakpoint]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_key: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ...) -> None: ...
+
+class CacheBreakpoint(_message.Message):
+    __slots__ = ("num_tokens", "ttl_s")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    ttl_s: int
+    def __init__(self, num_tokens: _Optional[int] = ..., ttl_s: _Optional[int] = ...) -> None: ...
 
 class RemotePrefill(_message.Message):
     __slots__ = ("address", "transport")
@@ -120,7 +130,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "prefill_mode", "kv_transfer_bytes", "kv_transfer_seconds", "kv_link_seconds", "kv_transport")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "prefill_mode", "kv_transfer_bytes", "kv_transfer_seconds", "kv_link_seconds", "kv_transport", "num_cache_written_tokens")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +142,7 @@ class GenerateResponse(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_LINK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHE_WRITTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -143,7 +154,8 @@ class GenerateResponse(_message.Message):
     kv_transfer_seconds: float
     kv_link_seconds: float
     kv_transport: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_link_seconds: _Optional[float] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    num_cache_written_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_link_seconds: _Optional[float] = ..., kv_transport: _Optional[str] = ..., num_cache_written_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
