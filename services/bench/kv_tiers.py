@@ -31,38 +31,31 @@ import signal
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-import httpx
 import yaml
 
+from services.bench import kv_tiers_busy
+from services.bench.kv_tiers_phases import (
+    Workers,
+    run_phase,
+    sessions,
+    wait_for,
+    wait_ready,
+    wait_writes_settled,
+)
 from services.bench.plots import plot_kv_tiers
 from services.bench.routing.workload import (
-    REQUEST_TIMEOUT_S,
-    Conversation,
-    Sender,
-    TurnResult,
     WorkloadPlan,
-    build_conversations,
 )
 from services.bench.spawn import SupervisedStack, UpSettings, interrupted_by, up_plan, up_specs
-from services.bench.stats import percentile
 from services.bench.tables import format_table
-from services.codec.text.tokenizer import Tokenizer
 from services.common.cache_redis import start_cache_redis, stop_cache_redis
 from services.common.local_stack import INTERNAL_HOST, TOKEN_ENV, free_ports, public_url
-from services.common.status_client import StackUnreachableError, fetch_status
-from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
-from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 
 SIDES = ("off", "shared", "disk")
 PHASES = ("warm", "restart", "rescale")
-WAIT_S = 300.0
-SETTLE_S = 30.0
-POLL_S = 0.2
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +63,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "kv-tiers", help="sessions across a worker restart and a rescale, with and without KV tiers"
     )
     p.add_argument("--model", type=Path, default=Path("models/smollm2-135m-instruct"))
-    p.add_argument("--sides", default="off,shared", help=f"comma-separated, of {','.join(SIDES)}")
+    p.add_argument(
+        "--scenario",
+        choices=("restart", "busy"),
+        default="restart",
+        help="restart: a worker restart and a rescale; busy: returning sessions whose replica is busy, with "
+        "the router's tier-aware scoring on and off (bench/kv_tiers_busy.py)",
+    )
+    p.add_argument(
+        "--sides",
+        default=None,
+        help=f"restart: of {','.join(SIDES)} (off,shared); busy: of aware,unaware (both)",
+    )
+    p.add_argument("--hog", type=int, default=12, help="busy: long requests sent straight to worker-0")
+    p.add_argument("--hog-tokens", type=int, default=256, help="busy: greedy tokens per hog request")
+    p.add_argument("--batch-size", type=int, default=4, help="busy: limits.batch_size_limit per worker")
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=4, help="at least 3: warm turns, then restart and rescale")
     p.add_argument("--system-tokens", type=int, default=300, help="shared system prompt, about")
@@ -87,8 +94,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    busy = args.scenario == "busy"
+    args.sides = args.sides or ("aware,unaware" if busy else "off,shared")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or set(sides) - set(SIDES):
+    if not busy and (not sides or set(sides) - set(SIDES)):
         raise SystemExit(f"--sides takes a comma-separated list of {', '.join(SIDES)}")
     if args.turns < 3 or min(args.sessions, args.max_tokens) < 1:
         raise SystemExit("--turns must be at least 3, --sessions and --max-tokens at least 1")
@@ -99,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
         first_user_tokens=args.first_user_tokens,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        session="header" if busy else "none",  # busy: sessions keep a home replica
     )
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvrelay-bench-kv-tiers-"))
     logs.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
+        "scenario": args.scenario,
         "model": str(args.model),
         "workload": plan.__dict__,
         "segment_tokens": args.segment_tokens,
@@ -111,9 +122,12 @@ def run(args: argparse.Namespace) -> int:
         "logs": str(logs),
         "sides": {},
     }
-    with interrupted_by(signal.SIGTERM):
-        for side in sides:
-            result["sides"][side] = _measure(side, args, plan, logs / side)
+    if busy:
+        result["sides"] = kv_tiers_busy.measure_all(args, plan, logs)
+    else:
+        with interrupted_by(signal.SIGTERM):
+            for side in sides:
+                result["sides"][side] = _measure(side, args, plan, logs / side)
     print(format_table(*_table(result)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -162,84 +176,18 @@ def _measure(side: str, args: argparse.Namespace, plan: WorkloadPlan, logs: Path
 
 async def _phases(url: str, workers: Workers, model: Path, plan: WorkloadPlan, main: SupervisedStack,
                   held_back: list[Any], cleanup: ExitStack) -> dict[str, Any]:  # fmt: skip
-    tokenizer = Tokenizer.from_dir(model)
-    system, conversations = build_conversations(plan, tokenizer)
-    for conversation in conversations:
-        conversation.messages = [{"role": "system", "content": system}]
     phases: dict[str, Any] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
-        model_id = (await client.get("/v1/models")).json()["data"][0]["id"]
-        sender = Sender(client, model_id, tokenizer, plan)
+    async with sessions(url, model, plan) as (sender, conversations):
         turns = [conversations[0].first_user, *conversations[0].follow_ups]
-        phases["warm"] = await _phase(workers, sender, conversations, range(len(turns) - 2))
-        _wait_writes_settled(url, "worker-0")
+        phases["warm"] = await run_phase(workers, sender, conversations, range(len(turns) - 2))
+        wait_writes_settled(url, "worker-0")
         _restart(main, "worker-0", url)
-        phases["restart"] = await _phase(workers, sender, conversations, [len(turns) - 2])
+        phases["restart"] = await run_phase(workers, sender, conversations, [len(turns) - 2])
         second = SupervisedStack(held_back).start()
         cleanup.callback(second.stop)
-        _wait_ready(url, "worker-1")
-        phases["rescale"] = await _phase(workers, sender, conversations, [len(turns) - 1])
+        wait_ready(url, "worker-1")
+        phases["rescale"] = await run_phase(workers, sender, conversations, [len(turns) - 1])
     return phases
-
-
-async def _phase(workers: Workers, sender: Sender, conversations: list[Conversation], turns: Any
-                 ) -> dict[str, Any]:  # fmt: skip
-    """`turns` in order, each sent for every session at once: the summary and the tier counters' growth."""
-    before = _fetched_tokens(workers)
-    results: list[TurnResult] = []
-    errors: list[str] = []
-    for turn in turns:
-        sent = await asyncio.gather(*(_turn(sender, c, turn) for c in conversations), return_exceptions=True)
-        for conversation, outcome in zip(conversations, sent, strict=True):
-            if isinstance(outcome, BaseException):
-                errors.append(
-                    f"session {conversation.index} turn {turn}: {type(outcome).__name__}: {outcome}"[:400]
-                )
-            else:
-                results.append(outcome)
-    prompt = sum(r.prompt_tokens for r in results)
-    cached = sum(r.cached_tokens for r in results)
-    ttft = [r.ttft_s for r in results]
-    return {
-        "requests": len(results),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "hit_rate": cached / prompt if prompt else None,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tier_fetched_tokens": _fetched_tokens(workers) - before,
-        "errors": errors,
-    }
-
-
-async def _turn(sender: Sender, conversation: Conversation, turn: int) -> TurnResult:
-    user = [conversation.first_user, *conversation.follow_ups][turn]
-    conversation.messages.append({"role": "user", "content": user})
-    result, reply = await sender.send(conversation, turn, time.perf_counter())
-    conversation.messages.append({"role": "assistant", "content": reply})
-    return result
-
-
-def _fetched_tokens(workers: Workers) -> int:
-    """Prompt tokens the running workers loaded from the tiers so far (each one's Load, asked directly:
-    the router's copy lags)."""
-    total = 0
-    for address in workers.addresses:
-        with grpc.insecure_channel(address) as channel:
-            try:
-                load = worker_pb2_grpc.WorkerStub(channel).Load(
-                    pb.LoadRequest(), metadata=workers.metadata, timeout=5
-                )
-            except grpc.RpcError:
-                continue  # not started yet
-        total += load.kv_tier_fetched_tokens_total
-    return total
-
-
-@dataclass(frozen=True)
-class Workers:
-    addresses: list[str]
-    metadata: tuple[tuple[str, str], ...]
 
 
 def _restart(stack: SupervisedStack, name: str, url: str) -> None:
@@ -247,57 +195,13 @@ def _restart(stack: SupervisedStack, name: str, url: str) -> None:
     and its counters start from zero)."""
     old = stack.pids()[name]
     os.kill(old, signal.SIGKILL)
-    _wait(lambda: stack.pids().get(name) not in (None, old), f"{name} restarted")
-    _wait_ready(url, name)
-
-
-def _wait_writes_settled(url: str, name: str) -> None:
-    """Until `name`'s bytes written to its tiers are above zero and stop growing (two polls 2 s apart, past
-    the router's load refresh, agree), for at most SETTLE_S: a worker killed right after a turn loses the
-    writes still queued, and this measures a restart, not that. Nothing to wait for without tiers."""
-    last: int | None = None
-
-    def settled() -> bool:
-        nonlocal last
-        try:
-            services = fetch_status(url)["services"]
-        except StackUnreachableError:
-            return False
-        (worker,) = [s for s in services if s.get("name") == name]
-        if not worker.get("kv_tiers"):
-            return True
-        written = sum(int(t["written_bytes"]) for t in worker["kv_tiers"])
-        done, last = written > 0 and written == last, written
-        return done
-
-    deadline = time.monotonic() + SETTLE_S
-    while not settled() and time.monotonic() < deadline:
-        time.sleep(2.0)
-
-
-def _wait_ready(url: str, name: str) -> None:
-    """Until the router reports `name` ready with no request served yet (a fresh process)."""
-
-    def ready() -> bool:
-        try:
-            services = fetch_status(url)["services"]
-        except StackUnreachableError:
-            return False
-        return any(s.get("name") == name and s.get("ready") and not s.get("requests_total") for s in services)
-
-    _wait(ready, f"the router using a fresh {name}")
-
-
-def _wait(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not within {WAIT_S:.0f} s")
-        time.sleep(POLL_S)
+    wait_for(lambda: stack.pids().get(name) not in (None, old), f"{name} restarted")
+    wait_ready(url, name)
 
 
 def _table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = ["side", "phase", "requests", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "from tiers", "errors"]
+    header += ["on busy replica"] if result.get("scenario") == "busy" else []
     rows = []
     for side, phases in result["sides"].items():
         for phase, summary in phases.items():
@@ -306,7 +210,7 @@ def _table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 "-" if summary["hit_rate"] is None else f"{summary['hit_rate']:.1%}",
                 _ms(summary["ttft_p50_s"]), _ms(summary["ttft_p99_s"]),
                 str(summary["tier_fetched_tokens"]), str(len(summary["errors"])),
-            ])  # fmt: skip
+            ] + ([str(summary.get("requests_on_busy_replica", "-"))] if len(header) > 8 else []))  # fmt: skip
     return header, rows
 
 

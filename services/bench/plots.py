@@ -259,10 +259,12 @@ def plot_kv_tiers(result: dict[str, Any], path: Path) -> None:
         _grouped_bars(ax, phases, series, "%.0f", headroom=True)
         ax.set_ylabel(unit)
     w = result["workload"]
-    fig.suptitle(
-        f"kvrelay bench kv-tiers: {w['sessions']} sessions x {w['turns']} turns; restart = worker-0 killed, "
-        "rescale = worker-1 added (round-robin)"
+    what = (
+        "busy = worker-0 hogged, last turn; aware/unaware = router.tier_aware"
+        if result.get("scenario") == "busy"
+        else "restart = worker-0 killed, rescale = worker-1 added (round-robin)"
     )
+    fig.suptitle(f"kvrelay bench kv-tiers: {w['sessions']} sessions x {w['turns']} turns; {what}")
     _save(fig, path, 110)
 
 

@@ -264,6 +264,10 @@ class RouterConfig(_Section):
     per_running_seq_ms: float = Field(default=2.0, ge=0)  # what one more stream adds to a decode step
     affinity_load_factor: float = Field(default=1.25, ge=1.0)  # session affinity yields past this x mean
     transfer_bytes_per_s: float = Field(default=1e9, gt=0)  # KV transfer rate until measured
+    # Count a prompt's segments in the tiers below the pools (the shared tier: every replica's; host and
+    # disk: their writer's) as one fetch away, at the fetch rate the workers measured (docs/routing.md).
+    tier_aware: bool = True
+    tier_bytes_per_s: float = Field(default=1e9, gt=0)  # a tier's fetch rate until a worker measured it
 
 
 class TracingConfig(_Section):

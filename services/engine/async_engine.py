@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -25,7 +25,7 @@ from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, EngineStats, RequestOutput
 from services.engine.kv_export import KVExport
-from services.kvcache.tier_set import TierReport
+from services.kvcache.tier_set import TierEvent, TierReport
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class KVEventBatch:
     snapshot: bool
     stored: list[bytes]
     removed: list[bytes]
+    tiers: list[TierEvent] = field(default_factory=list)  # segments the tiers below gained or lost
 
 
 MAX_PENDING_KV_BATCHES = 1024  # a subscriber this far behind is dropped; it re-subscribes for a snapshot
@@ -338,12 +339,14 @@ class AsyncEngine:
 
     def _publish_kv_events(self) -> None:
         events = self.core.take_kv_events()
-        if not events or not self._kv_subscribers:
+        tiers = self.core.take_tier_events()
+        if not (events or tiers) or not self._kv_subscribers:
             return
         batch = KVEventBatch(
             False,
             [e.block_hash for e in events if e.kind == "stored"],
             [e.block_hash for e in events if e.kind == "removed"],
+            tiers,
         )
         for subscriber in list(self._kv_subscribers):
             if subscriber.batches.qsize() > MAX_PENDING_KV_BATCHES:

@@ -48,7 +48,7 @@ from services.engine.scheduling.scheduler import (
     SchedulerOutput,
     StepUpdate,
 )
-from services.kvcache.tier_set import TierReport
+from services.kvcache.tier_set import TierEvent, TierReport
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -98,6 +98,8 @@ class TiersBelow(BelowPool, Protocol):
     def observe_step(self, num_tokens: int, seconds: float) -> None: ...
 
     def set_wake(self, wake: Callable[[], None] | None) -> None: ...
+
+    def take_events(self) -> list[TierEvent]: ...
 
     def wait_lookups(self, timeout_s: float) -> None: ...
 
@@ -501,6 +503,11 @@ class EngineCore:
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix cache's changes since the last call, oldest first."""
         return self.pool.take_events()
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """Segments written to or dropped from the tiers below the pool since the last call (KV events)."""
+        tiers = self.tiers
+        return tiers.take_events() if tiers is not None else []
 
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash the prefix cache holds now: a snapshot to start KV events from."""

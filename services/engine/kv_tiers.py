@@ -43,7 +43,15 @@ from services.kvcache.disk_tier import DiskTier
 from services.kvcache.host_tier import HostTier
 from services.kvcache.segment import Namespace, decode, encode, segment_key
 from services.kvcache.tier import Tier
-from services.kvcache.tier_set import Hold, SegmentSize, SegmentWriter, TierReport, TierSet
+from services.kvcache.tier_set import (
+    Hold,
+    SegmentRef,
+    SegmentSize,
+    SegmentWriter,
+    TierEvent,
+    TierReport,
+    TierSet,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +74,15 @@ class SegmentWrites:
         writer: SegmentWriter,
         read_kv: ReadKV,
         write_through: bool = True,
+        ttl_s: int = 0,
     ) -> None:
+        """`ttl_s`: the tiers' own lifetime; a breakpoint asking no longer is written as any segment."""
         self.namespace = namespace
         self.segment_tokens = segment_tokens
         self.writer = writer
         self.read_kv = read_kv
         self.write_through = write_through
+        self.ttl_s = ttl_s
         # Where a segment not written through can go: a tier that dies with the worker (the host tier).
         self.keeps_unheld = any(not tier.outlives_worker for tier in writer.tiers.tiers)
 
@@ -92,13 +103,14 @@ class SegmentWrites:
                 continue
             kv = self.read_kv(request.block_ids, start, end)  # [L, end - start, 2, H, D], a copy
             value = partial(_value, self.namespace, request.cache_salt, start, hashes, kv)
-            self.writer.submit(key, (end - start) * self.namespace.bytes_per_token, value, hold)
+            ref = SegmentRef(hashes[-1], blocks.start, len(hashes))
+            self.writer.submit(key, (end - start) * self.namespace.bytes_per_token, value, hold, ref)
 
     def _hold(self, request: Request, end: int) -> Hold:
         """How the segment ending at token `end` is written: as the breakpoints at or after it ask."""
         ttls = [point.ttl_s for point in request.cache_breakpoints if point.num_tokens >= end]
         if ttls:
-            return Hold(through=True, ttl_s=max(ttls))
+            return Hold(through=True, ttl_s=max(ttls) if max(ttls) > self.ttl_s else None)
         return Hold(through=self.write_through)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -292,16 +304,21 @@ class KVTiers:
     def report(self) -> TierReport:
         return self.tiers.report()
 
+    def take_events(self) -> list[TierEvent]:
+        return self.tiers.take_events()
+
     def close(self, timeout: float = 5.0) -> None:
         self.reads.close()
         self.writes.close(timeout)
 
 
 def _tails(request: Request, size: int, block_size: int) -> list[int]:
-    """The ends of the tails: each cache breakpoint that falls inside a segment, rounded down to a block.
-    The segment's part up to it is kept on its own, under the key of its last block (a key names its
-    start too: the segment boundary below its end)."""
-    ends = {point.num_tokens // block_size * block_size for point in request.cache_breakpoints}
+    """The ends of the tails: each cache breakpoint that falls inside a segment, rounded down to a block,
+    and never past the block before the prompt's last token (which a lookup never reads: a breakpoint at
+    the prompt's end is kept up to there). The segment's part up to it is kept on its own, under the key of
+    its last block (a key names its start too: the segment boundary below its end)."""
+    limit = (request.num_prompt_tokens - 1) // block_size * block_size
+    ends = {min(point.num_tokens // block_size * block_size, limit) for point in request.cache_breakpoints}
     return sorted(end for end in ends if end % size)
 
 
@@ -351,9 +368,9 @@ def build_kv_tiers(
 ) -> KVTiers:
     """The configured tiers with their writer and reader, for `EngineCore.use_tiers`."""
     tiers = build_tiers(config, environ)
-    writer = SegmentWriter(tiers, bytes_per_s=config.write_mb_per_s * 1e6)
+    writer = SegmentWriter(tiers, bytes_per_s=config.write_mb_per_s * 1e6, refresh_s=config.ttl_s / 2)
     writes = SegmentWrites(
-        namespace, config.segment_tokens, writer, read_kv, config.write_through == "always"
+        namespace, config.segment_tokens, writer, read_kv, config.write_through == "always", config.ttl_s
     )
     reads = SegmentReads(
         namespace, config.segment_tokens, tiers, write_kv, config.fetch_deadline_ms / 1000, device

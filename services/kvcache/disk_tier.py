@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections import deque
 from pathlib import Path
+
+from services.kvcache.tier import EVICTED_KEPT
 
 LOW_WATER = 0.9
 SUFFIX = ".kvs"
@@ -28,12 +31,14 @@ RESCAN_WRITES = 64
 class DiskTier:
     name = "disk"
     outlives_worker = True
+    ttl_s = None
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.evictions = 0  # files this worker removed for room
+        self._evicted: deque[str] = deque(maxlen=EVICTED_KEPT)  # their keys, until `take_evicted`
         self._used = self._scan_used()  # bytes there at the last scan, plus this worker's writes since
         self._writes_since_scan = 0
 
@@ -82,6 +87,12 @@ class DiskTier:
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def take_evicted(self) -> list[str]:
+        keys = []
+        while self._evicted:
+            keys.append(self._evicted.popleft())
+        return keys
+
     def used_bytes(self) -> int:
         """The bytes in the directory as of the last scan, plus this worker's writes since."""
         return self._used
@@ -109,5 +120,6 @@ class DiskTier:
             path.unlink(missing_ok=True)
             self._used -= size
             self.evictions += 1
+            self._evicted.append(path.name.removesuffix(SUFFIX).replace("_", ":"))
             if self._used <= LOW_WATER * self.capacity_bytes:
                 return

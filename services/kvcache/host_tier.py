@@ -9,17 +9,21 @@ segments the pool has evicted, at the cost of copying them on the way in.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+
+from services.kvcache.tier import EVICTED_KEPT
 
 
 class HostTier:
     name = "host"
     outlives_worker = False
+    ttl_s = None
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.evictions = 0
         self._values: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
+        self._evicted: deque[str] = deque(maxlen=EVICTED_KEPT)
         self._used = 0
         self._lock = threading.Lock()  # the writer thread puts, lookup threads get
 
@@ -39,9 +43,10 @@ class HostTier:
             self._values[key] = value
             self._used += len(value)
             while self._used > self.capacity_bytes:
-                _, evicted = self._values.popitem(last=False)
+                key, evicted = self._values.popitem(last=False)
                 self._used -= len(evicted)
                 self.evictions += 1
+                self._evicted.append(key)
             return True
 
     def contains(self, keys: list[str]) -> list[bool]:
@@ -56,3 +61,9 @@ class HostTier:
 
     def used_bytes(self) -> int | None:
         return self._used
+
+    def take_evicted(self) -> list[str]:
+        with self._lock:
+            keys = list(self._evicted)
+            self._evicted.clear()
+            return keys

@@ -21,11 +21,12 @@ script touches keys it does not declare, so this backend wants a single Redis, n
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import redis
 
 from services.kvcache.segment import tenant_of
-from services.kvcache.tier import TierUnavailable
+from services.kvcache.tier import EVICTED_KEPT, TierUnavailable
 
 TENANT_PREFIX = "kv1-tenant"
 
@@ -49,6 +50,19 @@ return value
 """
 )
 
+# KEYS: the segment, the tenant's index. ARGV: ttl, now. GET, then the tenant's most recent use.
+_GET_CAPPED = (
+    _EXTEND
+    + """
+local value = redis.call('GET', KEYS[1])
+if value then
+  extend(KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[2], 'XX', ARGV[2], KEYS[1])
+end
+return value
+"""
+)
+
 # KEYS: the segment. ARGV: value, ttl. Returns 1 if stored; an existing value's lifetime is extended.
 _PUT = (
     _EXTEND
@@ -60,20 +74,20 @@ return 0
 )
 
 # KEYS: the segment, the tenant's index, sizes and byte count. ARGV: value, ttl, cap, now.
-# Returns {stored (0/1), segments evicted}.
+# Returns {stored (0/1), {the keys of the segments evicted}}.
 _PUT_CAPPED = (
     _EXTEND
     + """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   extend(KEYS[1], ARGV[2])
   for i = 2, 4 do extend(KEYS[i], ARGV[2]) end
-  return {0, 0}
+  return {0, {}}
 end
 local size = string.len(ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[4], KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], size)
 local used = redis.call('INCRBY', KEYS[4], size)
-local evicted = 0
+local evicted = {}
 while used > tonumber(ARGV[3]) do
   local oldest = redis.call('ZPOPMIN', KEYS[2])
   if #oldest == 0 then break end
@@ -81,7 +95,7 @@ while used > tonumber(ARGV[3]) do
   redis.call('HDEL', KEYS[3], oldest[1])
   redis.call('UNLINK', oldest[1])
   used = redis.call('DECRBY', KEYS[4], n)
-  evicted = evicted + 1
+  table.insert(evicted, oldest[1])
 end
 for i = 2, 4 do extend(KEYS[i], ARGV[2]) end
 return {1, evicted}
@@ -111,7 +125,9 @@ class RedisTier:
         self.evictions = (
             0  # segments removed for a tenant's cap; the Redis's own LRU evictions are its INFO's
         )
+        self._evicted: deque[str] = deque(maxlen=EVICTED_KEPT)  # keys removed for a tenant's cap
         self._get = client.register_script(_GET)
+        self._get_capped = client.register_script(_GET_CAPPED)
         self._put = client.register_script(_PUT)
         self._put_capped = client.register_script(_PUT_CAPPED)
         self._delete_capped = client.register_script(_DELETE_CAPPED)
@@ -139,11 +155,8 @@ class RedisTier:
         try:
             if not self.tenant_capacity_bytes:
                 value = self._get(keys=[key], args=[self.ttl_s])
-            else:
-                pipe = self.client.pipeline(transaction=False)
-                self._get(keys=[key], args=[self.ttl_s], client=pipe)
-                pipe.zadd(tenant_keys(key)[0], {key: time.time()}, xx=True)  # now its most recent
-                value, _ = pipe.execute()
+            else:  # one round trip: the value, its lifetime, and the tenant's most recent use
+                value = self._get_capped(keys=[key, tenant_keys(key)[0]], args=[self.ttl_s, time.time()])
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
         return value if isinstance(value, bytes) else None
@@ -159,7 +172,8 @@ class RedisTier:
             )
         except _FAILURES as exc:
             raise TierUnavailable(f"shared tier: {exc}") from exc
-        self.evictions += int(evicted)
+        self.evictions += len(evicted)
+        self._evicted.extend(key.decode() for key in evicted)
         return bool(stored)
 
     def tenant_bytes(self, tag: str) -> int:
@@ -189,6 +203,13 @@ class RedisTier:
 
     def used_bytes(self) -> int | None:
         return None  # the Redis's INFO memory has it; not asked on a scrape
+
+    def take_evicted(self) -> list[str]:
+        """The segments removed for tenants' caps (the Redis's own LRU and TTL removals are not seen)."""
+        keys = []
+        while self._evicted:
+            keys.append(self._evicted.popleft())
+        return keys
 
     def close(self) -> None:
         self.client.close()

@@ -58,6 +58,9 @@ class Namespace:
     head_dim: int
     layout: str = LAYOUT
     version: int = FORMAT_VERSION
+    # The grid segments start on: a key names its start by it (a tail ends inside a segment of this size),
+    # so writers with another grid must not share keys with this one.
+    segment_tokens: int = 0
 
     @property
     def tag(self) -> str:
@@ -84,6 +87,11 @@ def segment_key(namespace: Namespace, cache_salt: bytes, last_block_hash: bytes)
 def tenant_of(key: str) -> str:
     """The tenant tag a segment key carries."""
     return key.split(":")[2]
+
+
+def last_block_of(key: str) -> bytes:
+    """The hash of the segment's last block, which a segment key ends with."""
+    return bytes.fromhex(key.rsplit(":", 1)[1])
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+EVICTED_KEPT = 4096  # evicted keys a tier remembers until asked (`take_evicted`); older ones are forgotten
+
 
 class TierUnavailable(Exception):
     """The tier did not answer (down, timed out, refused): take the no-cache path."""
@@ -26,6 +28,11 @@ class Tier(Protocol):
     name: str  # "host", "disk", "shared": the tier's label on metrics and logs
     evictions: int  # values this process removed for room (a Redis's own evictions are its to count)
     outlives_worker: bool  # disk and shared: a write here is a write-through (kv_tiers.write_through)
+
+    @property
+    def ttl_s(self) -> int | None:
+        """A value's lifetime, renewed by hits; None: kept until pushed out for room."""
+        ...
 
     def get(self, key: str) -> bytes | None:
         """The value under `key` (its lifetime refreshed), or None."""
@@ -47,6 +54,10 @@ class Tier(Protocol):
 
     def used_bytes(self) -> int | None:
         """The bytes the tier holds, as far as this process knows cheaply; None when it cannot."""
+        ...
+
+    def take_evicted(self) -> list[str]:
+        """The keys this process removed for room since the last call (at most EVICTED_KEPT, the latest)."""
         ...
 
 

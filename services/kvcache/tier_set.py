@@ -21,14 +21,14 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
 from services.kvcache.costs import FetchCosts
-from services.kvcache.segment import SegmentMiss, tenant_of
+from services.kvcache.segment import SegmentMiss, last_block_of, tenant_of
 from services.kvcache.tier import Breaker, Tier, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,32 @@ class Hold:
 
 
 @dataclass(frozen=True)
+class SegmentRef:
+    """Where a segment sits in its prompt, for the KV events: its last block's hash (its key's last field),
+    the block it starts at, and its length in blocks."""
+
+    last_block: bytes
+    first_block: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """A segment written to a tier (`stored`: there now, kept `ttl_s` at least where values have
+    lifetimes, else 0), or removed from it (evicted for room, refused as corrupt)."""
+
+    tier: str
+    stored: bool
+    last_block: bytes
+    first_block: int = 0
+    num_blocks: int = 0
+    ttl_s: int = 0
+
+
+EVENTS_KEPT = 8192  # tier events kept until taken; a router this far behind misses the oldest
+
+
+@dataclass(frozen=True)
 class SegmentSize:
     """What one segment weighs: its value's bytes (about), and the tokens recomputing it costs."""
 
@@ -125,6 +151,7 @@ class TierSet:
         self.breakers = {tier.name: make_breaker() for tier in self.tiers}
         self.costs = costs or FetchCosts()
         self.stats = TierStats()
+        self._events: deque[TierEvent] = deque(maxlen=EVENTS_KEPT)
         self._lock = threading.Lock()  # the writer thread and the readers share the breakers and counts
 
     def fetch(
@@ -189,6 +216,7 @@ class TierSet:
                 log.warning("kv tier value refused", extra={"tier": tier.name, "reason": str(miss)})
                 with self._lock:
                     self.stats.corrupt[tier.name] += 1
+                    self._events.append(TierEvent(tier.name, False, last_block_of(key)))
                 self._call(tier, partial(tier.delete, key))
                 continue
             with self._lock:
@@ -203,17 +231,39 @@ class TierSet:
         with self._lock:
             self.stats.writes_dropped[reason] += 1
 
-    def put(self, key: str, value: bytes, hold: Hold = Hold()) -> None:
+    def put(self, key: str, value: bytes, hold: Hold = Hold(), ref: SegmentRef | None = None) -> None:
         """Store `value` in every tier that lacks it (on the caller's thread: the writer's); only in those
-        that die with the worker unless `hold.through`."""
+        that die with the worker unless `hold.through`. With `ref`, each tier that answered, and what it
+        evicted for room, becomes a TierEvent (`take_events`)."""
         for tier in self.tiers:
             if tier.outlives_worker and not hold.through:
                 continue
-            _, stored = self._call(tier, partial(tier.put, key, value, hold.ttl_s))
-            if stored:
-                with self._lock:
+            answered, stored = self._call(tier, partial(tier.put, key, value, hold.ttl_s))
+            evicted = tier.take_evicted()
+            with self._lock:
+                if stored:
                     self.stats.bytes_written[tier.name] += len(value)
                     self.stats.tenant_bytes_written[tenant_of(key)] += len(value)
+                if answered and ref is not None:  # there now, stored by this call or an earlier one
+                    ttl_s = max(hold.ttl_s or 0, tier.ttl_s) if tier.ttl_s is not None else 0
+                    self._events.append(
+                        TierEvent(tier.name, True, ref.last_block, ref.first_block, ref.num_blocks, ttl_s)
+                    )
+                # After: a put that evicts for room may evict what it just stored (a tenant's cap).
+                self._events.extend(TierEvent(tier.name, False, last_block_of(gone)) for gone in evicted)
+
+    def take_events(self) -> list[TierEvent]:
+        """What the tiers gained and lost since the last call: one event per tier and segment, the last
+        (two writes in a row: the longer lifetime, which is what the tier keeps)."""
+        latest: dict[tuple[str, bytes], TierEvent] = {}
+        with self._lock:
+            for event in self._events:
+                known = latest.get((event.tier, event.last_block))
+                if known is not None and known.stored and event.stored and known.ttl_s > event.ttl_s:
+                    event = known
+                latest[event.tier, event.last_block] = event
+            self._events.clear()
+        return list(latest.values())
 
     def _call(self, tier: Tier, call: Callable[[], T]) -> tuple[bool, T | None]:
         """`call()` on `tier` behind its breaker: (True, its result), or (False, None) when the breaker is
@@ -238,6 +288,14 @@ class TierSet:
         return True, result
 
 
+@dataclass(frozen=True)
+class _Write:
+    key: str
+    make_value: Callable[[], bytes]
+    hold: Hold
+    ref: SegmentRef | None
+
+
 class SegmentWriter:
     """Writes queued segments to a TierSet on a daemon thread; see the module docstring for what drops."""
 
@@ -248,13 +306,17 @@ class SegmentWriter:
         max_queued: int = 64,
         bytes_per_s: float = 256e6,
         remember: int = 4096,
+        refresh_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`refresh_s`: a key written this long ago is written again when asked (a prefix the pool keeps
+        serving would otherwise outlive its lifetime in the tiers); None: never."""
         self.tiers = tiers
         self.bytes_per_s = bytes_per_s
+        self.refresh_s = refresh_s
         self.clock = clock
-        self._queue: queue.Queue[tuple[str, Callable[[], bytes], Hold] | None] = queue.Queue(max_queued)
-        self._written: OrderedDict[str, Hold] = OrderedDict()  # keys written lately, oldest first
+        self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
+        self._written: OrderedDict[str, tuple[Hold, float]] = OrderedDict()  # lately, oldest first: how, when
         self._remember = remember
         self._budget = bytes_per_s  # a token bucket of bytes, one second deep
         self._refilled_at = clock()
@@ -267,11 +329,21 @@ class SegmentWriter:
         """Whether `key` was queued lately, held at least as `hold` asks (its segment need not be copied
         out again)."""
         known = self._written.get(key)
-        return known is not None and known.covers(hold)
+        if known is None or not known[0].covers(hold):
+            return False
+        return self.refresh_s is None or self.clock() - known[1] < self.refresh_s
 
-    def submit(self, key: str, num_bytes: int, make_value: Callable[[], bytes], hold: Hold = Hold()) -> bool:
+    def submit(
+        self,
+        key: str,
+        num_bytes: int,
+        make_value: Callable[[], bytes],
+        hold: Hold = Hold(),
+        ref: SegmentRef | None = None,
+    ) -> bool:
         """Queue the value `make_value()` will build (on the writer's thread; about `num_bytes` long) under
-        `key` for the tiers `hold` names; False when it is dropped (known, budget, queue)."""
+        `key` for the tiers `hold` names (`ref`: for the tier events); False when it is dropped (known,
+        budget, queue)."""
         if self.knows(key, hold):
             return False
         if not self._take_budget(num_bytes):
@@ -280,7 +352,7 @@ class SegmentWriter:
         with self._idle:
             self._num_pending += 1
         try:
-            self._queue.put_nowait((key, make_value, hold))
+            self._queue.put_nowait(_Write(key, make_value, hold, ref))
         except queue.Full:
             with self._idle:
                 self._num_pending -= 1
@@ -313,7 +385,9 @@ class SegmentWriter:
 
     def _remember_key(self, key: str, hold: Hold) -> None:
         known = self._written.pop(key, None)
-        self._written[key] = hold if known is None else known.join(hold)
+        if known is not None:
+            hold = known[0].join(hold)
+        self._written[key] = (hold, self.clock())
         while len(self._written) > self._remember:
             self._written.popitem(last=False)
 
@@ -322,9 +396,8 @@ class SegmentWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, make_value, hold = item
             try:
-                self.tiers.put(key, make_value(), hold)
+                self.tiers.put(item.key, item.make_value(), item.hold, item.ref)
             except Exception:  # a write must never take the worker down
                 log.exception("kv tier write failed")
             finally:

@@ -37,6 +37,20 @@ class RouterCollector(Collector):
             decisions.add_metric([decision, reason], count)
         yield decisions
         yield CounterMetricFamily(
+            "kvrelay_router_tier_tokens",
+            "Prompt tokens routed to replicas expected to fetch them from the KV tiers below their pools.",
+            value=service.below_tokens_routed,
+        )
+        index = service.replicas.tiers
+        segments = GaugeMetricFamily(
+            "kvrelay_router_tier_segments",
+            "Segments the router knows in the tiers below the pools.",
+            labels=["tier"],
+        )
+        segments.add_metric(["shared"], len(index.shared))
+        segments.add_metric(["own"], sum(len(own) for own in index.own.values()))
+        yield segments
+        yield CounterMetricFamily(
             "kvrelay_router_retries", "Requests retried on another replica.", value=service.num_retries
         )
         yield CounterMetricFamily(

@@ -5,7 +5,8 @@ there, plus what it would cost the streams already running there:
 
     queue_s   = tokens queued ahead of it (prompts the router dispatched and not yet started, plus the
                 replica's own waiting count at an assumed prompt size) / prefill rate
-    prefill_s = prompt tokens the replica does not hold in its prefix cache / prefill rate
+    prefill_s = prompt tokens the replica neither holds in its prefix cache nor finds in the tiers below it
+                / prefill rate + those it finds below x its fetch time per token
     decode_s  = running streams x the time one more sequence adds to a decode step
 
 and picks at random among the candidates within `slack` of the cheapest (bounded randomisation: equal
@@ -36,6 +37,8 @@ class Candidate:
     running: int = 0  # from its last load report
     queued_tokens: int = 0  # prompt tokens this router dispatched there whose first token has not come
     cached_tokens: int = 0  # leading prompt tokens this replica holds in its prefix cache
+    below_tokens: int = 0  # prompt tokens after those that the tiers below its pool hold for it
+    below_s_per_token: float = 0.0  # what fetching one of them costs there (the workers' measured rate)
 
     @property
     def load(self) -> int:
@@ -93,7 +96,8 @@ class CostModel:
         return tokens / self.prefill_tokens_per_s
 
     def prefill_s(self, c: Candidate, num_prompt_tokens: int) -> float:
-        return max(0, num_prompt_tokens - c.cached_tokens) / self.prefill_tokens_per_s
+        computed = max(0, num_prompt_tokens - c.cached_tokens - c.below_tokens) / self.prefill_tokens_per_s
+        return computed + c.below_tokens * c.below_s_per_token
 
     def decode_s(self, c: Candidate) -> float:
         return (c.running + c.in_flight) * self.per_running_seq_s
@@ -117,8 +121,26 @@ class CostPolicy:
         bound = best + max(self.slack_s, best * self.slack_ratio)
         near = [(cost, c) for cost, c in costs if cost <= bound]
         cost, pick = self.rng.choice(near)
-        reason = "prefix_overlap" if pick.cached_tokens and len(near) < len(costs) else "lowest_cost"
+        reason = "lowest_cost"
+        if len(near) < len(costs) and (pick.cached_tokens or pick.below_tokens):
+            reason = "prefix_overlap" if pick.cached_tokens else "tier_overlap"
         return Choice(pick.name, reason, cost)
+
+
+HOME_YIELD_RATIO = 2.0  # a session's home this many times dearer than another replica ...
+HOME_YIELD_SLACK_S = 0.1  # ... plus this, where that one finds the prefix below its pool: leave home
+
+
+def home_is_busy(
+    home: Candidate, candidates: Sequence[Candidate], model: CostModel, num_prompt_tokens: int
+) -> bool:
+    """Whether a returning session should leave its home for this request: another replica can fetch its
+    prefix from the tiers below its pool, and would answer far sooner than home, whose queue is long."""
+    others = [c for c in candidates if c.name != home.name and c.below_tokens]
+    if not others:
+        return False
+    best = min(model.cost_s(c, num_prompt_tokens) for c in others)
+    return model.cost_s(home, num_prompt_tokens) > HOME_YIELD_RATIO * best + HOME_YIELD_SLACK_S
 
 
 SWAMP_SLACK = 4

@@ -12,7 +12,8 @@ from the pool's is never used. Every ejection and re-admission is logged with th
 
 Prefix index: each replica streams its KV events (block hashes stored and evicted, services/engine/
 block_pool.py); `Replica.cached` mirrors what its prefix cache holds, so the policy can count a prompt's
-cached leading blocks per replica (`cached_tokens`).
+cached leading blocks per replica (`cached_tokens`). The same streams carry the segments each replica
+writes to the tiers below its pool and those it sees dropped: `tiers` (tier_index.py) holds them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from services.router.tier_index import TierIndex
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0
@@ -129,6 +131,7 @@ class ReplicaSet:
         # report defines them; prefix hashes chain from it, and a replica serving other weights is unused.
         self.model_fingerprint: str | None = None
         self.watch_kv_events = watch_kv_events
+        self.tiers = TierIndex()  # what the tiers below the pools hold, from the same event streams
         self.num_ejections = 0
         self.apply([Endpoint(address, f"worker-{i}") for i, address in enumerate(addresses)])
 
@@ -203,6 +206,7 @@ class ReplicaSet:
 
     async def refresh(self) -> None:
         self._drop_idle_gone()
+        self.tiers.expire()
         await asyncio.gather(*(self._probe(r) for r in self.replicas))
 
     async def _probe(self, replica: Replica) -> None:
@@ -290,10 +294,12 @@ class ReplicaSet:
                 else:
                     replica.cached.difference_update(batch.removed)
                     replica.cached.update(batch.stored)
+                self.tiers.apply(replica.name, batch.tier_stored, batch.tier_removed)
         except grpc.aio.AioRpcError as exc:
             log.info("kv events stream ended", extra={"replica": replica.name, "reason": _describe(exc)})
         finally:
             replica.cached = set()
+            self.tiers.forget(replica.name)
 
     async def close(self) -> None:
         for replica in self.replicas:

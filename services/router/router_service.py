@@ -43,6 +43,7 @@ from services.router.policy import (
     LeastLoaded,
     Policy,
     RoundRobin,
+    home_is_busy,
 )
 from services.router.replicas import Replica, ReplicaSet, pair_transport
 
@@ -74,6 +75,7 @@ class _Route:
     # token: a queued prompt that is mostly a cache hit holds up the replica's next prompts only that long.
     num_decode_tokens: int
     num_prefill_tokens: int
+    num_below_tokens: int = 0  # prompt tokens the decode replica is expected to fetch from its tiers
 
 
 class RouterService(worker_pb2_grpc.WorkerServicer):
@@ -96,29 +98,63 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         self.in_flight: set[str] = set()  # request IDs being routed now: one stream per ID
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self.route_reasons: collections.Counter[str] = collections.Counter()
+        self.below_tokens_routed = 0  # prompt tokens routed to be fetched from the tiers below the pools
 
     # -- choosing -------------------------------------------------------------------------------------
 
     def _candidates(
-        self, roles: frozenset[str], exclude: set[str], block_hashes: list[bytes], block_size: int
+        self,
+        roles: frozenset[str],
+        exclude: set[str],
+        block_hashes: list[bytes],
+        block_size: int,
+        request: pb.GenerateRequest,
     ) -> dict[str, tuple[Replica, Candidate]]:
+        limit = max(0, len(request.prompt_token_ids) - 1) // block_size  # the last token is recomputed
+        cacheable = block_hashes[:limit]
+        tail_ends = {min(p.num_tokens // block_size, limit) for p in request.cache_breakpoints}
         out = {}
         for r in self.replicas.usable(roles):
             if r.name in exclude:
                 continue
             load = r.load
+            cached = r.cached_tokens(block_hashes, block_size)
+            below, per_token = self._below(r, cacheable, cached, block_size, tail_ends)
             out[r.name] = (
                 r,
                 Candidate(
-                    r.name,
-                    r.in_flight,
-                    load.waiting,
-                    load.running,
-                    r.queued_tokens,
-                    r.cached_tokens(block_hashes, block_size),
+                    r.name, r.in_flight, load.waiting, load.running, r.queued_tokens, cached, below, per_token
                 ),
             )
         return out
+
+    def _below(
+        self,
+        replica: Replica,
+        hashes: list[bytes],
+        num_cached_tokens: int,
+        block_size: int,
+        tail_ends: set[int],
+    ) -> tuple[int, float]:
+        """The prompt tokens after the pool's hit that `replica` would fetch from the tiers below it (those
+        its Load reports up), and the seconds per token that costs there: its KV bytes per token over the
+        slowest fetch rate its tiers measured (tier_bytes_per_s until one has), plus each segment's call
+        latency."""
+        tiers = replica.load.kv_tiers
+        if not self.config.tier_aware or not tiers:
+            return 0, 0.0
+        cached_blocks = num_cached_tokens // block_size
+        up = {t.name for t in tiers if t.up}
+        end = self.replicas.tiers.below_blocks(replica.name, hashes, cached_blocks, up, tail_ends)
+        num_tokens = (end - cached_blocks) * block_size
+        if num_tokens <= 0:
+            return 0, 0.0
+        rates = [t.bytes_per_s for t in tiers if t.bytes_per_s > 0]
+        rate = min(rates) if rates else self.config.tier_bytes_per_s
+        latency_s = max((t.latency_ms for t in tiers), default=0.0) / 1000
+        segment_tokens = max(1, self.replicas.tiers.segment_blocks * block_size)
+        bytes_per_token = replica.info.kv_bytes_per_token if replica.info is not None else 0
+        return num_tokens, bytes_per_token / rate + latency_s / segment_tokens
 
     def route(
         self, request: pb.GenerateRequest, exclude: set[str], hashes: list[bytes], block_size: int
@@ -126,21 +162,31 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         """The decode replica (and prefill replica, if any) for this request, skipping `exclude`.
         `hashes` are the prompt's block hashes (prompt_block_hashes), computed once per request."""
         prompt = request.prompt_token_ids
-        decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size)
+        decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size, request)
         plain = [c for _, c in decodes.values()]
         affinity = (
             self.affinity.choose(request.session_key, plain, time.monotonic())
             if self.config.policy == "cost"
             else None
         )
-        choice = affinity or self.policy.choose(plain, len(prompt))
+        moved = affinity is not None and home_is_busy(
+            decodes[affinity.name][1], plain, self.costs, len(prompt)
+        )
+        if moved and affinity is not None:  # the home is busy: another replica fetches the prefix
+            others = [c for c in plain if c.name != affinity.name]
+            choice = self.policy.choose(others, len(prompt))
+        else:
+            choice = affinity or self.policy.choose(plain, len(prompt))
         if choice is None:
             return None
+        if moved:  # the session's home is busy and this replica fetches its prefix from below
+            choice = Choice(choice.name, "session_moved", choice.cost_s)
         decode, decode_candidate = decodes[choice.name]
         prefill, decision = self._prefill_for(request, decode, decode_candidate, hashes, block_size)
         num_prefill = len(prompt) - prefill.cached_tokens(hashes, block_size) if prefill else 0
+        num_decode = len(prompt) - decode_candidate.cached_tokens - decode_candidate.below_tokens
         return _Route(
-            decode, choice, prefill, decision, len(prompt) - decode_candidate.cached_tokens, num_prefill
+            decode, choice, prefill, decision, num_decode, num_prefill, decode_candidate.below_tokens
         )
 
     def _prefill_for(
@@ -153,7 +199,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> tuple[Replica | None, Decision]:
         if self.disaggregation.policy == "never":
             return None, Decision(False, "disaggregation_off")
-        prefills = self._candidates(PREFILL_ROLES, set(), hashes, block_size)
+        prefills = self._candidates(PREFILL_ROLES, set(), hashes, block_size, request)
         if self.disaggregation.transport == "ipc":  # a prefill replica sharing D's GPU comes first
             paired = {
                 n: p for n, p in prefills.items() if pair_transport("ipc", p[0].info, decode.info) == "ipc"
@@ -280,6 +326,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                 route.prefill.queued_tokens += route.num_prefill_tokens
             self.decisions[("remote" if route.prefill else "local", route.decision.reason)] += 1
             self.route_reasons[route.choice.reason] += 1
+            self.below_tokens_routed += route.num_below_tokens
 
     def _first_token(self, route: _Route) -> None:
         """The prompt is done: it no longer waits ahead of others on either replica."""
@@ -302,6 +349,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                 "request_id": request_id,
                 "replica": route.decode.name,
                 "reason": route.choice.reason,
+                "tier_tokens": route.num_below_tokens,
                 "prefill": route.prefill.name if route.prefill else None,
                 "disaggregation": route.decision.reason,
                 "remote_ttft_s": _round(route.decision.remote_ttft_s),

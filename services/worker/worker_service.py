@@ -22,7 +22,7 @@ from services.common.grpc_server import abort_for
 from services.common.proto_convert import EngineInput, engine_input_from_proto
 from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
-from services.kvcache.tier_set import TierReport
+from services.kvcache.tier_set import TierEvent, TierReport
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.worker.counters import TransferCounters
@@ -143,7 +143,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         stream = self.engine.kv_events()
         async with contextlib.aclosing(stream):
             async for batch in stream:
-                yield pb.KVEventBatch(snapshot=batch.snapshot, stored=batch.stored, removed=batch.removed)
+                yield pb.KVEventBatch(
+                    snapshot=batch.snapshot,
+                    stored=batch.stored,
+                    removed=batch.removed,
+                    tier_stored=[_tier_segment(e) for e in batch.tiers if e.stored],
+                    tier_removed=[_tier_segment(e) for e in batch.tiers if not e.stored],
+                )
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return self.info
@@ -191,3 +197,13 @@ def _tiers_to_proto(report: TierReport) -> list[pb.KVTier]:
         )
         for tier in report.tiers
     ]
+
+
+def _tier_segment(event: TierEvent) -> pb.TierSegment:
+    return pb.TierSegment(
+        tier=event.tier,
+        block_hash=event.last_block,
+        first_block=event.first_block,
+        num_blocks=event.num_blocks,
+        ttl_s=event.ttl_s,
+    )

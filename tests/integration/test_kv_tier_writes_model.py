@@ -33,6 +33,7 @@ def test_a_finished_request_is_written_through_with_its_exact_kv(model_dir: Path
     namespace = Namespace(
         core.manifest.model_fingerprint, core.served.weights, "float32", "float32", blocks,
         core.model_config.num_layers, core.model_config.num_kv_heads, core.model_config.head_dim,
+        segment_tokens=32,
     )  # fmt: skip
     core.close()  # lets the writer finish
     disk = DiskTier(tmp_path, 1 << 30)

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.cache_redis import start_cache_redis, stop_cache_redis
 from services.common.proto_convert import sampling_to_proto
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.model
 TOKEN = "kv-tiers-test-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 SEGMENT = 64
-A, B = b"tenant-a", b"tenant-b"
+A, B, C = b"tenant-a", b"tenant-b", b"tenant-c"
 
 
 class Workers:
@@ -61,19 +63,15 @@ class Workers:
         wait_serving(address, proc)
         return address
 
-    def start_router(self, workers: list[str]) -> str:
+    def start_router(self, workers: list[str], *args: str) -> str:
         address = f"127.0.0.1:{free_port()}"
-        argv = ["router", "--port", address.split(":")[1], "--workers", ",".join(workers)]
-        proc = Proc(argv, self.env, self.logs / "router.log")
+        argv = ["router", "--port", address.split(":")[1], "--workers", ",".join(workers), *args]
+        proc = Proc(argv, self.env, self.logs / f"router-{address.split(':')[1]}.log")
         self.procs.append(proc)
         wait_serving(address, proc)
-        status = worker_pb2_grpc.RouterStub(grpc.insecure_channel(address))
-
-        def both_ready() -> bool:
-            replicas = status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas
-            return sorted(r.role for r in replicas if r.ready) == ["decode", "prefill"]
-
-        wait_until(both_ready, 60, "the router seeing a ready prefill and decode replica")
+        wait_until(
+            lambda: len(ready_roles(address)) == len(workers), 60, "the router seeing every replica ready"
+        )
         return address
 
     def stop(self, address: str | None = None) -> None:
@@ -84,7 +82,7 @@ class Workers:
 
 
 def generate(
-    address: str, rid: str, case: dict[str, Any], salt: bytes
+    address: str, rid: str, case: dict[str, Any], salt: bytes, session: str = ""
 ) -> tuple[list[int], pb.GenerateResponse]:
     params = SamplingParams(temperature=0.0, max_tokens=len(case["output_token_ids"]), ignore_eos=True)
     request = pb.GenerateRequest(
@@ -92,6 +90,7 @@ def generate(
         prompt_token_ids=case["prompt_token_ids"],
         sampling=sampling_to_proto(params),
         cache_salt=salt,
+        session_key=session,
     )
     stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
     tokens: list[int] = []
@@ -100,6 +99,22 @@ def generate(
         tokens.extend(response.token_ids)
         last = response
     return tokens, last
+
+
+def ready_roles(router: str) -> list[str]:
+    status = worker_pb2_grpc.RouterStub(grpc.insecure_channel(router))
+    return sorted(
+        r.role for r in status.Replicas(pb.ReplicasRequest(), metadata=MD, timeout=10).replicas if r.ready
+    )
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """One sample of the router's Prometheus metrics, 0 when absent."""
+    for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
 
 
 def load(address: str) -> pb.LoadResponse:
@@ -178,6 +193,7 @@ def test_a_prefill_replica_loads_the_prefix_and_ships_it_to_decode(
         workers.stop(colocated)
     prefill, decode = workers.start("prefill", "prefill"), workers.start("decode", "decode")
     router = workers.start_router([prefill, decode])
+    assert ready_roles(router) == ["decode", "prefill"]
     tokens, last = generate(router, "a-disaggregated", case, A)
     assert_matches(case, tokens)
     assert last.prefill_mode == pb.PREFILL_MODE_REMOTE
@@ -187,3 +203,33 @@ def test_a_prefill_replica_loads_the_prefix_and_ships_it_to_decode(
     workers.stop(router)
     workers.stop(prefill)
     workers.stop(decode)
+
+
+def test_a_session_whose_replica_stopped_lands_on_the_other_which_fetches_its_prefix_from_the_shared_tier(
+    workers: Workers, cache_port: int, case: dict[str, Any]
+) -> None:
+    """The router learns the shared tier's segments from the workers' KV events, and routes the session
+    whose replica is gone to the other expecting its prefix one fetch away; the other fetches it."""
+    num_prompt = len(case["prompt_token_ids"])
+    expected_cached = (num_prompt - 1) // SEGMENT * SEGMENT
+    one, two = workers.start("one"), workers.start("two")
+    metrics_port = free_port()
+    router = workers.start_router([one, two], "--metrics-port", str(metrics_port))
+    tokens, last = generate(router, "c-first", case, C, session="session-c")
+    assert_matches(case, tokens)
+    assert last.num_cached_tokens == 0
+    home, other = (one, two) if load(one).requests_total else (two, one)
+    wait_until(
+        lambda: metric(metrics_port, "kvrelay_router_tier_segments", tier="shared") >= num_prompt // SEGMENT,
+        60,
+        "the router knowing the session's segments in the shared tier",
+    )
+    workers.stop(home)
+    wait_until(lambda: len(ready_roles(router)) == 1, 60, "the router seeing the session's replica gone")
+    tokens, last = generate(router, "c-again", case, C, session="session-c")
+    assert_matches(case, tokens)
+    assert last.num_cached_tokens == expected_cached  # served from the shared tier, not recomputed
+    assert load(other).kv_tier_fetched_tokens_total == expected_cached
+    assert metric(metrics_port, "kvrelay_router_tier_tokens_total") == expected_cached  # what it expected
+    workers.stop(router)
+    workers.stop(other)

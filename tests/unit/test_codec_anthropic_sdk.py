@@ -276,3 +276,18 @@ def test_cache_control_breakpoints_end_where_their_blocks_end_and_the_usage_spli
     ) == (32, 21)
     assert usage.cache_creation_input_tokens == 53 and usage.cache_read_input_tokens == 0
     assert usage.input_tokens == len(prompt) - 53
+
+
+def test_a_breakpoint_whose_block_the_template_does_not_show_marks_nothing(
+    client: anthropic.Anthropic, fake: FakeBackend, tokenizer: Tokenizer
+) -> None:
+    fake.script = scripted([ids(tokenizer, "Ok")])
+    tool = {"name": "tides", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}
+    client.messages.create(
+        model=MODEL_NAME,
+        max_tokens=8,
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "none"},  # the template gets no tools: the marker never shows
+        messages=HI,
+    )
+    assert [(p.num_tokens, p.ttl_s) for p in fake.seen[0].cache_breakpoints] == [(0, 300)]

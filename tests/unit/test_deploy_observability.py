@@ -39,6 +39,7 @@ from services.kvcache.host_tier import HostTier
 from services.kvcache.tier_set import SegmentSize, TierReport, TierSet
 from services.router.metrics import RouterCollector
 from services.router.router_service import RouterService
+from services.router.tier_index import TierIndex
 from services.worker.counters import TransferCounters
 from services.worker.metrics import WorkerMetrics
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
@@ -379,7 +380,8 @@ def scrape_router() -> str:
         route_reasons={"prefix_overlap": 3, "lowest_cost": 2},
         decisions={("remote", "remote_cheaper"): 2, ("local", "short_prompt"): 3},
         num_retries=1,
-        replicas=SimpleNamespace(num_ejections=1, replicas=replicas),
+        below_tokens_routed=64,
+        replicas=SimpleNamespace(num_ejections=1, replicas=replicas, tiers=TierIndex()),
     )
     registry = CollectorRegistry()
     registry.register(RouterCollector(cast(RouterService, service)))

@@ -54,6 +54,7 @@ def test_the_key_names_namespace_tenant_and_last_block_never_the_salt() -> None:
         {"num_layers": 3},
         {"head_dim": 4},
         {"layout": "tokens,layers,kv,heads,head_dim"},
+        {"segment_tokens": 512},  # another grid: its keys name other starts
     ],
 )
 def test_everything_that_changes_kv_bytes_changes_the_namespace(change: dict[str, object]) -> None:

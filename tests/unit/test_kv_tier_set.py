@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from services.kvcache.disk_tier import DiskTier
+from services.kvcache.host_tier import HostTier
 from services.kvcache.segment import SegmentMiss
 from services.kvcache.tier import Breaker, TierUnavailable
-from services.kvcache.tier_set import Hold, SegmentSize, SegmentWriter, TierSet
+from services.kvcache.tier_set import Hold, SegmentRef, SegmentSize, SegmentWriter, TierSet
 
 NS = "0123456789abcdef"
 KEYS = [f"kv1:{NS}:-:{i:064x}" for i in range(4)]
@@ -29,6 +30,7 @@ class DictTier:
         self.evictions = 0
         self.values: dict[str, bytes] = {}
         self.ttls: dict[str, int | None] = {}  # the lifetime each put asked for, the last one
+        self.ttl_s = None
         self.is_down = False
         self.num_calls = 0
 
@@ -52,6 +54,9 @@ class DictTier:
 
     def used_bytes(self) -> int | None:
         return sum(len(v) for v in self.values.values())
+
+    def take_evicted(self) -> list[str]:
+        return []
 
     def delete(self, key: str) -> None:
         self._answer()
@@ -179,3 +184,40 @@ def test_the_writer_drops_when_its_queue_is_full() -> None:
 @pytest.mark.parametrize("num_keys", [0, 1])
 def test_an_empty_or_missing_run_is_empty(num_keys: int) -> None:
     assert TierSet([DictTier("shared")]).fetch(KEYS[:num_keys], check, far(), SIZE) == []
+
+
+def test_writes_and_evictions_become_one_tier_event_per_segment_for_the_router() -> None:
+    host, shared = HostTier(10), DictTier("shared")
+    shared.ttl_s = 60  # type: ignore[assignment]
+    tiers = TierSet([host, shared])
+    first, second = (SegmentRef(bytes([i]) * 32, 4 * i, 4) for i in (1, 2))
+    keys = [f"kv1:{'0' * 16}:-:{ref.last_block.hex()}" for ref in (first, second)]
+    tiers.put(keys[0], b"8 bytes.", Hold(ttl_s=3600), first)
+    tiers.put(keys[0], b"8 bytes.", Hold(ttl_s=30), first)  # again: one event, the last
+    tiers.put(keys[1], b"8 bytes.", Hold(), second)  # the host tier (10 bytes) evicts the first
+    events = {(e.tier, e.stored, e.last_block): e for e in tiers.take_events()}
+    assert set(events) == {
+        ("host", False, first.last_block),
+        ("host", True, second.last_block),
+        ("shared", True, first.last_block),
+        ("shared", True, second.last_block),
+    }
+    assert events["shared", True, first.last_block].ttl_s == 3600  # the longer of the two writes
+    assert (
+        events["host", True, second.last_block].first_block,
+        events["host", True, second.last_block].ttl_s,
+    ) == (8, 0)
+    assert tiers.take_events() == []
+
+
+def test_a_key_written_long_ago_is_written_again_so_a_prefix_the_pool_serves_keeps_its_lifetime() -> None:
+    now = [0.0]
+    shared = DictTier("shared")
+    writer = SegmentWriter(TierSet([shared]), refresh_s=100.0, clock=lambda: now[0])
+    assert writer.submit(KEYS[0], 5, lambda: b"good0")
+    assert not writer.submit(KEYS[0], 5, lambda: b"good0")
+    now[0] = 150.0
+    assert not writer.knows(KEYS[0]) and writer.submit(KEYS[0], 5, lambda: b"good0")  # its lifetime renewed
+    assert writer.wait_idle(10)
+    assert shared.num_calls == 2
+    writer.close()

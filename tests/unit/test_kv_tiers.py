@@ -143,6 +143,7 @@ def test_a_tenant_over_its_cap_loses_its_own_least_recently_used_segments_only(c
     assert tier.contains([key(i, a) for i in range(4)]) == [True, False, True, True]
     assert tier.contains([key(100, b)]) == [True]  # never another tenant's
     assert (tier.tenant_bytes(a), tier.tenant_bytes(b), tier.evictions) == (3000, 1000, 1)
+    assert tier.take_evicted() == [key(1, a)] and tier.take_evicted() == []  # for the KV events
     tier.delete(key(3, a))  # a refused value leaves the count too
     assert tier.tenant_bytes(a) == 2000 and tier.contains([key(3, a)]) == [False]
     assert not tier.put(key(0, a), bytes(1000)) and tier.tenant_bytes(a) == 2000  # stored once, counted once

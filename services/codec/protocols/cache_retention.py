@@ -14,7 +14,9 @@ kept 5 minutes or an hour at least. Where that ends in tokens is found by render
 per breakpoint with a marker right after the block (`PromptFields.marked`): the two prompts share the
 tokens up to the breakpoint (protocols/output.py shared_prefix_lengths). The workers count, per
 breakpoint, the tokens up to it that the request computed (whole blocks), which is
-`cache_creation_input_tokens`, split by ttl.
+`cache_creation_input_tokens`, split by ttl. A marker the template does not show (a tool under
+`tool_choice: none`, a template without tools) marks nothing: that breakpoint ends where the one before it
+does.
 """
 
 from __future__ import annotations
@@ -58,20 +60,16 @@ async def anthropic_breakpoints(
     points = body.cache_breakpoints()
     if not points:
         return ()
+    messages, tools = body.template_messages(), body.toolset()
     variants: list[Any] = []
     for point in points:
         marked = body.marked(point)
         try:
             variants.append(None if marked is None else (marked.template_messages(), marked.toolset()))
         except InvalidRequestError:
-            variants.append(([], None))
+            variants.append((messages, tools))  # the same prompt: it marks nothing
     lengths = await shared_prefix_lengths(
-        state,
-        prompt_ids,
-        body.template_messages(),
-        variants,
-        tools=body.toolset(),
-        thinking=body.thinking_wish(),
+        state, prompt_ids, messages, variants, tools=tools, thinking=body.thinking_wish()
     )
     breakpoints, end = [], 0
     for point, length in zip(points, lengths, strict=True):

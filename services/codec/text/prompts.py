@@ -11,7 +11,9 @@ a large prompt never stalls other requests' streams.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -66,11 +68,12 @@ def shared_prefix_lengths(
     variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """For each variant of `conversation` (the one `prompt_ids` encodes, with the generation prompt), the
-    prompt tokens its rendering shares with the conversation's: the text both renderings start with,
-    encoded, as far as its tokens match `prompt_ids` (a token across the boundary does not). None stands
-    for the whole prompt; a variant the template refuses shares nothing."""
+    prompt tokens that lie wholly inside the text both renderings start with. None stands for the whole
+    prompt; a variant that renders the same text as the conversation, or that the template refuses, marks
+    nothing and shares 0. The conversation is encoded once, with each token's end in the text."""
     extra = dict(variables or {})
     text = template.render(conversation[0], tools=conversation[1], **extra)
+    ends = list(itertools.accumulate(tokenizer.token_ends(text), max))
     lengths = []
     for variant in variants:
         if variant is None:
@@ -79,10 +82,9 @@ def shared_prefix_lengths(
         try:
             other = template.render(variant[0], tools=variant[1], **extra)
         except InvalidRequestError:
-            lengths.append(0)
-            continue
-        shared = tokenizer.encode(text[: _shared_chars(text, other)], add_special_tokens=False)
-        lengths.append(_shared_items(shared, prompt_ids))
+            other = text
+        chars = _shared_chars(text, other) if other != text else 0
+        lengths.append(min(bisect.bisect_right(ends, chars), len(prompt_ids)))
     return lengths
 
 
@@ -96,15 +98,6 @@ def _shared_chars(a: str, b: str) -> int:
         else:
             high = middle - 1
     return low
-
-
-def _shared_items(a: Sequence[int], b: Sequence[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def encode_text(

@@ -86,6 +86,10 @@ class Tokenizer:
             token_ids.insert(0, self.bos_token_id)
         return token_ids
 
+    def token_ends(self, text: str) -> list[int]:
+        """Where each token of `encode(text)` ends in `text`, as a character offset."""
+        return [end for _, end in self._tokenizer.encode(text, add_special_tokens=False).offsets]
+
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text for `token_ids`. Incomplete UTF-8 sequences decode to U+FFFD."""
         ids = list(token_ids)

@@ -227,7 +227,7 @@ def build_core_from_loaded(
         served=served_weights(loaded),
     )
     if config.kv_tiers.is_enabled:
-        namespace = tier_namespace(loaded, engine.block_size)
+        namespace = tier_namespace(loaded, engine.block_size, config.kv_tiers.segment_tokens)
         runner, environ = core.runner, dict(os.environ)
         core.use_tiers(
             build_kv_tiers(config.kv_tiers, namespace, runner.read_kv, runner.write_kv, device, environ)
@@ -235,7 +235,7 @@ def build_core_from_loaded(
     return core
 
 
-def tier_namespace(loaded: LoadedModel, block_size: int) -> Namespace:
+def tier_namespace(loaded: LoadedModel, block_size: int, segment_tokens: int) -> Namespace:
     """Everything of this served model that changes its KV bytes (services/kvcache/segment.py)."""
     config = loaded.config
     return Namespace(
@@ -247,6 +247,7 @@ def tier_namespace(loaded: LoadedModel, block_size: int) -> Namespace:
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
+        segment_tokens=segment_tokens,
     )
 
 

@@ -297,14 +297,32 @@ class KVEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("snapshot", "stored", "removed")
+    __slots__ = ("snapshot", "stored", "removed", "tier_stored", "tier_removed")
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_REMOVED_FIELD_NUMBER: _ClassVar[int]
     snapshot: bool
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tier_stored: _containers.RepeatedCompositeFieldContainer[TierSegment]
+    tier_removed: _containers.RepeatedCompositeFieldContainer[TierSegment]
+    def __init__(self, snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., tier_stored: _Optional[_Iterable[_Union[TierSegment, _Mapping]]] = ..., tier_removed: _Optional[_Iterable[_Union[TierSegment, _Mapping]]] = ...) -> None: ...
+
+class TierSegment(_message.Message):
+    __slots__ = ("tier", "block_hash", "first_block", "num_blocks", "ttl_s")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    block_hash: bytes
+    first_block: int
+    num_blocks: int
+    ttl_s: int
+    def __init__(self, tier: _Optional[str] = ..., block_hash: _Optional[bytes] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ttl_s: _Optional[int] = ...) -> None: ...
 
 class ReplicasRequest(_message.Message):
     __slots__ = ()
