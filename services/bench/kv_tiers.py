@@ -201,7 +201,7 @@ def _restart(stack: SupervisedStack, name: str, url: str) -> None:
 
 def _table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = ["side", "phase", "requests", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "from tiers", "errors"]
-    header += ["on busy replica"] if result.get("scenario") == "busy" else []
+    header += ["sessions moved"] if result.get("scenario") == "busy" else []
     rows = []
     for side, phases in result["sides"].items():
         for phase, summary in phases.items():
@@ -210,7 +210,7 @@ def _table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 "-" if summary["hit_rate"] is None else f"{summary['hit_rate']:.1%}",
                 _ms(summary["ttft_p50_s"]), _ms(summary["ttft_p99_s"]),
                 str(summary["tier_fetched_tokens"]), str(len(summary["errors"])),
-            ] + ([str(summary.get("requests_on_busy_replica", "-"))] if len(header) > 8 else []))  # fmt: skip
+            ] + ([str(summary.get("sessions_moved", "-"))] if len(header) > 8 else []))  # fmt: skip
     return header, rows
 
 

@@ -14,7 +14,9 @@ first match wins (docs/protocols.md, "Session key"):
    prefix index handles those.
 
 A key is opaque and fixed-size: the first 32 hex digits of SHA-256 over "kvrelay-session/v1", the
-source and its value(s), each length-prefixed. No user text reaches the router or a log through it.
+source and its value(s), each length-prefixed, then scoped to the authenticated tenant the same way (so
+a client can never land in another tenant's session by choosing its key). No user text reaches the router
+or a log through it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class SessionSource(StrEnum):
     PROMPT_CACHE_KEY = "prompt_cache_key"
     ANTHROPIC_USER_ID = "metadata.user_id"
     FIRST_USER_TURN = "first_user_turn"
+    TENANT = "tenant"  # a key scoped to its tenant: another tenant's equal value is another session
 
 
 def opaque_key(source: SessionSource, *values: str) -> str:
@@ -66,10 +69,22 @@ def session_key(
     client_key: tuple[SessionSource, str | None] | None = None,
     model: str = "",
     messages: Sequence[Mapping[str, Any]] = (),
+    tenant: str = "",
 ) -> str:
     """The request's session key by the rules above: `header` (x-session-id), then `client_key`
     (source and value, e.g. prompt_cache_key), then the first user turn of `messages` with `model`;
-    "" when none applies. Empty values count as absent."""
+    "" when none applies. Empty values count as absent. With `tenant` (the authenticated one), the key
+    is scoped to it: two tenants sending the same prompt_cache_key are two sessions."""
+    key = _unscoped_key(header, client_key, model, messages)
+    return opaque_key(SessionSource.TENANT, tenant, key) if key and tenant else key
+
+
+def _unscoped_key(
+    header: str | None,
+    client_key: tuple[SessionSource, str | None] | None,
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+) -> str:
     if header:
         return opaque_key(SessionSource.HEADER, header)
     if client_key is not None:

@@ -22,6 +22,7 @@ from services.codec.session import (
 )
 from services.codec.state import CodecState
 from services.codec.text.tokenizer import Tokenizer
+from services.common.tenants import open_tenant
 from services.proto_gen.kvrelay.v1 import public_pb2 as pb
 from services.proto_gen.kvrelay.v1 import public_pb2_grpc
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, make_config, scripted
@@ -34,6 +35,11 @@ HEX = set("0123456789abcdef")
 
 def turn_key(text: str, model: str = MODEL_NAME) -> str:
     return opaque_key(SessionSource.FIRST_USER_TURN, model, text)
+
+
+def routed(key: str) -> str:
+    """The key as a route sends it: scoped to the request's tenant (here the open-mode one)."""
+    return opaque_key(SessionSource.TENANT, open_tenant().tenant_id, key)
 
 
 # --- the pure rules ---------------------------------------------------------------------------------
@@ -167,12 +173,16 @@ def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
 async def test_chat_completions_send_the_key(client: httpx.AsyncClient, fake: FakeBackend) -> None:
     url = "/v1/chat/completions"
     key, _ = await post_key(client, fake, url, chat(SYSTEM, PARIS), **{SESSION_HEADER: "sess-1"})
-    assert key == opaque_key(SessionSource.HEADER, "sess-1")
+    assert key == routed(opaque_key(SessionSource.HEADER, "sess-1"))
     key, _ = await post_key(client, fake, url, chat(SYSTEM, PARIS, prompt_cache_key="conv-9"))
-    assert key == opaque_key(SessionSource.PROMPT_CACHE_KEY, "conv-9")
+    assert key == routed(opaque_key(SessionSource.PROMPT_CACHE_KEY, "conv-9"))
     paris, _ = await post_key(client, fake, url, chat(SYSTEM, PARIS))
     rome, _ = await post_key(client, fake, url, chat(SYSTEM, ROME))
-    assert paris == turn_key(PARIS["content"]) and rome == turn_key(ROME["content"]) and paris != rome
+    assert (
+        paris == routed(turn_key(PARIS["content"]))
+        and rome == routed(turn_key(ROME["content"]))
+        and paris != rome
+    )
     parts = {"role": "user", "content": [{"type": "text", "text": PARIS["content"]}]}
     developer = {"role": "developer", "content": "Be terse."}
     again, _ = await post_key(client, fake, url, chat(developer, parts))
@@ -184,13 +194,17 @@ async def test_anthropic_messages_send_the_key(client: httpx.AsyncClient, fake: 
     url = "/v1/messages"
     system = SYSTEM["content"]
     key, _ = await post_key(client, fake, url, chat(PARIS, metadata={"user_id": "user-42"}))
-    assert key == opaque_key(SessionSource.ANTHROPIC_USER_ID, "user-42")
+    assert key == routed(opaque_key(SessionSource.ANTHROPIC_USER_ID, "user-42"))
     body = chat(PARIS, metadata={"user_id": "user-42"})
     key, _ = await post_key(client, fake, url, body, **{SESSION_HEADER: "sess-1"})
-    assert key == opaque_key(SessionSource.HEADER, "sess-1")
+    assert key == routed(opaque_key(SessionSource.HEADER, "sess-1"))
     paris, _ = await post_key(client, fake, url, chat(PARIS, system=system))
     rome, _ = await post_key(client, fake, url, chat(ROME, system=system))
-    assert paris == turn_key(PARIS["content"]) and rome == turn_key(ROME["content"]) and paris != rome
+    assert (
+        paris == routed(turn_key(PARIS["content"]))
+        and rome == routed(turn_key(ROME["content"]))
+        and paris != rome
+    )
 
 
 @pytest.mark.model
@@ -199,7 +213,7 @@ async def test_completions_send_only_the_header(client: httpx.AsyncClient, fake:
     key, _ = await post_key(client, fake, "/v1/completions", body)
     assert key == ""
     key, _ = await post_key(client, fake, "/v1/completions", body, **{SESSION_HEADER: "sess-1"})
-    assert key == opaque_key(SessionSource.HEADER, "sess-1")
+    assert key == routed(opaque_key(SessionSource.HEADER, "sess-1"))
 
 
 @pytest.mark.model
@@ -211,16 +225,16 @@ async def test_responses_key_a_conversation_across_turns(
     first_key, first = await post_key(
         client, fake, url, {**base, "input": PARIS["content"], "instructions": "Be brief."}
     )
-    assert first_key == turn_key(PARIS["content"])
+    assert first_key == routed(turn_key(PARIS["content"]))
     # A continuation (with other instructions) starts from the stored first turn: same session.
     follow_up = {**base, "input": "And of Italy?", "previous_response_id": first["id"], "instructions": "Hi"}
     key, _ = await post_key(client, fake, url, follow_up)
     assert key == first_key
     items = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": ROME["content"]}]
     key, _ = await post_key(client, fake, url, {**base, "input": items})
-    assert key == turn_key(ROME["content"])
+    assert key == routed(turn_key(ROME["content"]))
     key, _ = await post_key(client, fake, url, {**base, "input": "x", "prompt_cache_key": "conv-9"})
-    assert key == opaque_key(SessionSource.PROMPT_CACHE_KEY, "conv-9")
+    assert key == routed(opaque_key(SessionSource.PROMPT_CACHE_KEY, "conv-9"))
 
 
 @pytest.mark.model
@@ -244,9 +258,18 @@ async def test_public_grpc_sends_the_key(model_dir: Path, tokenizer: Tokenizer) 
         metadata = ((SESSION_HEADER, "sess-1"),)
         [_ async for _ in stub.Generate(pb.TextGenerateRequest(prompt="Hello"), metadata=metadata)]
     assert [seen.session_key for seen in fake.seen] == [
-        turn_key(PARIS["content"]),
-        turn_key(ROME["content"]),
-        opaque_key(SessionSource.HEADER, "sess-1"),  # the same key as the HTTP header's
+        routed(turn_key(PARIS["content"])),
+        routed(turn_key(ROME["content"])),
+        routed(opaque_key(SessionSource.HEADER, "sess-1")),  # the same key as the HTTP header's
         "",
-        opaque_key(SessionSource.HEADER, "sess-1"),
+        routed(opaque_key(SessionSource.HEADER, "sess-1")),
     ]
+
+
+def test_a_key_is_scoped_to_its_tenant_so_no_client_lands_in_another_tenants_session() -> None:
+    def key(tenant: str) -> str:
+        return session_key(client_key=(SessionSource.PROMPT_CACHE_KEY, "shared-name"), tenant=tenant)
+
+    assert key("alpha") != key("bravo")
+    assert key("alpha") == key("alpha")
+    assert session_key(tenant="alpha") == ""  # no key stays no key

@@ -118,7 +118,10 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         prompt_ids, plan = await prepare(
             state, messages, tools=body.toolset(), thinking=body.thinking(), constraint=body.constraint()
         )
-        key = session_key(header=session_id, model=state.identity.model_name, messages=messages)
+        tenant = rpc_tenant().tenant_id
+        key = session_key(
+            header=session_id, model=state.identity.model_name, messages=messages, tenant=tenant
+        )
         fields = Constrained(body, plan.constraint)
         return PreparedRequest(
             fields, prompt_ids, body.requested_max_tokens, body.num_top_logprobs, "messages", key, plan
@@ -134,7 +137,8 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         body.check_supported()
         param = "prompt" if request.prompt else "prompt_token_ids"
         prompt_ids = await encode_prompt(body.single_prompt(), state.encoder, param, state.vocab_size)
-        key = session_key(header=session_id)  # a plain prompt has no turns: metadata only
+        tenant = rpc_tenant().tenant_id
+        key = session_key(header=session_id, tenant=tenant)  # a plain prompt has no turns: metadata only
         return PreparedRequest(body, prompt_ids, body.max_tokens, body.logprobs, param, key)
 
     async def _serve(

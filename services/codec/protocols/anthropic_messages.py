@@ -167,6 +167,7 @@ def _session_key(request: Request, state: CodecState, body: MessagesRequest) -> 
         client_key=(SessionSource.ANTHROPIC_USER_ID, user_id),
         model=state.identity.model_name,
         messages=body.template_messages(),
+        tenant=tenant_of(request).tenant_id,
     )
 
 

@@ -72,6 +72,7 @@ async def create_chat_completion(request: Request) -> Response:
             client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
             model=state.identity.model_name,
             messages=messages,
+            tenant=tenant_of(request).tenant_id,
         ),
         cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
     )

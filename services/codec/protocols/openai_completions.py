@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.codec.admission.tenancy import tenant_of
 from services.codec.generation import GenerationStream, SampleFinished, TextDelta, Usage
 from services.codec.protocols.common import (
     CollectedSample,
@@ -52,7 +53,10 @@ async def create_completion(request: Request) -> Response:
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
         prompt_param="prompt",
-        session_key=session_key(header=request.headers.get(SESSION_HEADER)),  # no turns: header only
+        # no turns: the header only
+        session_key=session_key(
+            header=request.headers.get(SESSION_HEADER), tenant=tenant_of(request).tenant_id
+        ),
     )
     envelope = Envelope.new(ID_PREFIX, OBJECT, state)
     num_samples = body.n or 1

@@ -153,6 +153,7 @@ async def create_response(request: Request) -> Response:
                 client_key=(SessionSource.PROMPT_CACHE_KEY, body.prompt_cache_key),
                 model=state.identity.model_name,
                 messages=history,
+                tenant=tenant,
             ),
             cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
         )
