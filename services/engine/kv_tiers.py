@@ -92,8 +92,8 @@ class SegmentWrites:
         ends = list(range(size, num_committed_tokens + 1, size))
         ends += [end for end in _tails(request, size, block_size) if end <= num_committed_tokens]
         for end in ends:
-            start = (end - 1) // size * size
-            blocks = slice(start // block_size, end // block_size)
+            blocks = _segment_ending(end, size, block_size)
+            start = blocks.start * block_size
             if NO_BLOCK in request.block_ids[blocks]:
                 continue  # freed below a sliding window
             hashes = request.block_hashes[blocks]
@@ -170,7 +170,7 @@ class SegmentReads:
         first = num_cached_tokens // size
         end = num_cacheable // size
         tails = {
-            tail: request.block_hashes[(tail - 1) // size * size // block_size : tail // block_size]
+            tail: request.block_hashes[_segment_ending(tail, size, block_size)]
             for tail in _tails(request, size, block_size)
             if num_cached_tokens < tail <= num_cacheable
         }
@@ -326,6 +326,12 @@ def _check_tail(
     namespace: Namespace, cache_salt: bytes, start: int, hashes: list[bytes], _: int, value: bytes
 ) -> bytes:
     return decode(value, namespace, cache_salt, start, hashes)
+
+
+def _segment_ending(end: int, size: int, block_size: int) -> slice:
+    """The block indices of the segment (whole, or a tail) ending at token `end`: it starts at the segment
+    boundary below `end`."""
+    return slice((end - 1) // size * size // block_size, end // block_size)
 
 
 def _blocks_of(start: int, size: int, block_size: int) -> slice:

@@ -169,18 +169,14 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             if self.config.policy == "cost"
             else None
         )
-        moved = affinity is not None and home_is_busy(
-            decodes[affinity.name][1], plain, self.costs, len(prompt)
-        )
-        if moved and affinity is not None:  # the home is busy: another replica fetches the prefix
-            others = [c for c in plain if c.name != affinity.name]
-            choice = self.policy.choose(others, len(prompt))
+        if affinity is not None and home_is_busy(decodes[affinity.name][1], plain, self.costs, len(prompt)):
+            # The session's home is busy: another replica, which fetches its prefix from below.
+            pick = self.policy.choose([c for c in plain if c.name != affinity.name], len(prompt))
+            choice = pick and Choice(pick.name, "session_moved", pick.cost_s)
         else:
             choice = affinity or self.policy.choose(plain, len(prompt))
         if choice is None:
             return None
-        if moved:  # the session's home is busy and this replica fetches its prefix from below
-            choice = Choice(choice.name, "session_moved", choice.cost_s)
         decode, decode_candidate = decodes[choice.name]
         prefill, decision = self._prefill_for(request, decode, decode_candidate, hashes, block_size)
         num_prefill = len(prompt) - prefill.cached_tokens(hashes, block_size) if prefill else 0

@@ -106,8 +106,7 @@ async def prepare(
     assistant = state.assistant
     if tools is not None and tools.is_active and not tools.is_forced:
         await _check_tool_schemas(state, tools)  # a forced grammar compiles them; under auto, each alone
-    chosen, variables = _template(state, messages, tools, thinking, template)
-    thinks = assistant.can_think and (thinking is None or thinking.enabled)
+    chosen, thinks, variables = _template(state, messages, tools, thinking, template)
     prompt_ids = await state.encoder.chat(
         chosen, messages, tools=tools.template_tools() if tools else None, variables=variables
     )
@@ -141,7 +140,7 @@ async def shared_prefix_lengths(
 ) -> list[int]:
     """For each variant of the conversation `prepare` made `prompt_ids` of, the prompt tokens its prompt
     shares with `prompt_ids` (text/prompts.py shared_prefix_lengths; None: the whole prompt)."""
-    chosen, variables = _template(state, messages, tools, thinking, None)
+    chosen, _, variables = _template(state, messages, tools, thinking, None)
 
     def conversation(
         messages: Sequence[Mapping[str, Any]], tools: ToolSet | None
@@ -163,12 +162,12 @@ def _template(
     tools: ToolSet | None,
     thinking: Thinking | None,
     template: ChatTemplate | None,
-) -> tuple[ChatTemplate, dict[str, Any] | None]:
-    """The template `prepare` renders with, and its variables."""
+) -> tuple[ChatTemplate, bool, dict[str, Any] | None]:
+    """The template `prepare` renders with, whether the model thinks, and the template's variables."""
     assistant = state.assistant
     chosen = template or assistant.template_for(tools, messages) or state.require_chat_template()
     thinks = assistant.can_think and (thinking is None or thinking.enabled)
-    return chosen, {"enable_thinking": thinks} if assistant.can_think else None
+    return chosen, thinks, {"enable_thinking": thinks} if assistant.can_think else None
 
 
 async def _check_tool_schemas(state: CodecState, tools: ToolSet) -> None:

@@ -181,7 +181,7 @@ class PromptEncoder:
         variants: Sequence[Conversation | None],
         variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """`shared_prefix_lengths` in the pool (a render and an encode per variant)."""
+        """`shared_prefix_lengths` in the pool (one render per variant, one encode in all)."""
         work = functools.partial(
             shared_prefix_lengths, template, self.tokenizer, prompt_ids, conversation, variants, variables
         )
