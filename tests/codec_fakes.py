@@ -133,6 +133,8 @@ class FakeBackend:
     completed: list[str] = field(default_factory=list)
     statuses_value: list[ServiceStatus] = field(default_factory=list)
     is_closed: bool = False
+    model_fingerprint: str = "fake-model-fp"  # the workers' served one: responses' system_fingerprint
+    numerics: str = "default"
 
     def reset(self) -> None:
         self.script = lambda request: []
@@ -148,8 +150,9 @@ class FakeBackend:
         if self.is_unavailable:
             raise BackendUnavailableError("fake backend is down")
         return BackendInfo(
-            MODEL_NAME, self.max_model_len, 16, "fake-model-fp", self.tokenizer_fingerprint, self.vocab_size
-        )
+            MODEL_NAME, self.max_model_len, 16, self.model_fingerprint, self.tokenizer_fingerprint,
+            self.vocab_size, self.numerics,
+        )  # fmt: skip
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         self.seen.append(request)

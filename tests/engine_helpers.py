@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from services.common.config import load_config
+from services.common.config import KvrelayConfig, load_config
 from services.common.outputs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore, RequestOutput
@@ -25,6 +25,18 @@ def make_engine(
 ) -> EngineCore:
     """An engine over `model_dir`; `weights` (model.weights) is explicit so a test never changes path when
     the default `auto` does. `kv_tiers`: settings of the KV tiers below its pool (none by default)."""
+    return build_core(engine_config(model_dir, dtype, weights, kv_tiers, batch_size_limit, **engine))
+
+
+def engine_config(
+    model_dir: Path,
+    dtype: str = "float32",
+    weights: str = "safetensors",
+    kv_tiers: dict[str, Any] | None = None,
+    batch_size_limit: int = 32,
+    **engine: Any,
+) -> KvrelayConfig:
+    """make_engine's configuration."""
     cfg = load_config(None, env={})
     model = {"path": str(model_dir), "dtype": dtype, "weights": weights}
     cfg = cfg.model_copy(
@@ -35,7 +47,7 @@ def make_engine(
             "kv_tiers": cfg.kv_tiers.model_copy(update=kv_tiers or {}),
         }
     )
-    return build_core(cfg)
+    return cfg
 
 
 def drain(engine: EngineCore, check_invariants: bool = True) -> list[RequestOutput]:

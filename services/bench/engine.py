@@ -2,7 +2,9 @@
 
 `--weights safetensors,gguf` measures our engine once per weights setting (model.weights: the float
 safetensors, or the GGUF's blocks as stored), each a side of its own; `--kv-cache-dtype auto,float32`
-crosses them with engine.kv_cache_dtype values (a side per pair). `--peer llama.cpp PATH` also runs
+crosses them with engine.kv_cache_dtype values (a side per pair), and `--numerics default,deterministic`
+with engine.deterministic off and on (with --rounds, the default side over the deterministic one as
+within-round ratios: the mode's cost at each batch size and in prefill). `--peer llama.cpp PATH` also runs
 llama.cpp's `llama-bench` at PATH (scripts/build_llama_bench.sh builds it) on the same GGUF file: its
 pp<prefill> and tg<new tokens> rates are the peer's prefill and batch-1 decode. The run also measures
 this machine's read bandwidth (a sum over 1 GiB, median of 5) and from it the batch-1 decode bound of
@@ -87,6 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated engine.kv_cache_dtype values (auto, float32, float16), crossed with --weights",
     )
     p.add_argument(
+        "--numerics",
+        default="default",
+        help="comma-separated numerics modes (default, deterministic: engine.deterministic), crossed with "
+        "the others; with both, the deterministic side is measured against the default one in each round",
+    )
+    p.add_argument(
         "--peer", nargs=2, metavar=("NAME", "PATH"), default=None, help="llama.cpp PATH-to-llama-bench"
     )
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
@@ -94,10 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def side_name(weights: str, kv: str, num_weights: int, num_kv: int) -> str:
-    """kvrelay, kvrelay-<weights>, kvrelay-<weights>-kv-<dtype>: as many parts as the run varies."""
+def side_name(weights: str, kv: str, num_weights: int, num_kv: int, mode: str = "default") -> str:
+    """kvrelay, kvrelay-<weights>, kvrelay-<weights>-kv-<dtype>: as many parts as the run varies;
+    "-deterministic" after a side under engine.deterministic."""
     name = "kvrelay" if num_weights == 1 and num_kv == 1 else f"kvrelay-{weights}"
-    return name if num_kv == 1 else f"{name}-kv-{kv}"
+    name = name if num_kv == 1 else f"{name}-kv-{kv}"
+    return f"{name}-deterministic" if mode == "deterministic" else name
 
 
 def _positive(text: str) -> int:
@@ -138,12 +148,15 @@ def run(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     weights, kv_dtypes = args.weights.split(","), args.kv_cache_dtype.split(",")
+    modes = args.numerics.split(",")
+    if set(modes) - {"default", "deterministic"}:
+        raise SystemExit(f"--numerics: {args.numerics} is not default, deterministic or both")
     choices = get_args(EngineConfig.model_fields["kv_cache_dtype"].annotation)  # the setting's own
     unknown = sorted(set(kv_dtypes) - set(choices))
     if unknown:  # before any side runs, not minutes in
         known = ", ".join(choices)
         raise SystemExit(f"--kv-cache-dtype: {', '.join(unknown)} not one of {known}")
-    result.update(measure_in_rounds(args, prompts, prefill_prompts, batches, weights, kv_dtypes))
+    result.update(measure_in_rounds(args, prompts, prefill_prompts, batches, weights, kv_dtypes, modes))
     if not args.no_baseline:
         result["transformers"] = measure_baseline(args, prompts, prefill_prompts, batches)
         result["sides"].append("transformers")
@@ -163,16 +176,17 @@ def measure_in_rounds(
     batches: list[int],
     weights: list[str],
     kv_dtypes: list[str],
+    modes: tuple[str, ...] | list[str] = ("default",),
 ) -> dict[str, Any]:
     """Every (weights, KV dtype) side of ours built first, then `args.rounds` rounds in which this machine's
     read bandwidth, each side in turn and the peer (if any) are measured: the result's sides (medians over
     rounds, services/bench/rounds.py), the bandwidth, and each side's bound from it."""
     engines = {
-        side_name(choice, kv, len(weights), len(kv_dtypes)): (
+        side_name(choice, kv, len(weights), len(kv_dtypes), mode): (
             choice,
-            build_engine(args, max(max(batches), 1), choice, kv),
+            build_engine(args, max(max(batches), 1), choice, kv, deterministic=mode == "deterministic"),
         )
-        for choice, kv in ((w, kv) for w in weights for kv in kv_dtypes)
+        for choice, kv, mode in ((w, kv, m) for w in weights for kv in kv_dtypes for m in modes)
     }
     rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in [*engines, "llama.cpp"]}
     bandwidths = []
@@ -408,6 +422,7 @@ def describe_engine(engine: Any, weights: str) -> dict[str, Any]:
         "weights": weights,
         "served_weights": served.weights,
         "small_step_max_tokens": served.small_step_max_tokens,
+        "numerics": served.numerics,
         "weight_bytes": served.weight_bytes,
         "kv_cache_dtype": dtype_name(engine.kv_dtype),
         "step_weight_bytes": step_weight_bytes(engine.runner.model),
@@ -425,10 +440,15 @@ def step_weight_bytes(model: Any) -> int:
 
 
 def build_engine(
-    args: argparse.Namespace, batch_size_limit: int, weights: str = "auto", kv_cache_dtype: str = "auto"
+    args: argparse.Namespace,
+    batch_size_limit: int,
+    weights: str = "auto",
+    kv_cache_dtype: str = "auto",
+    *,
+    deterministic: bool = False,
 ) -> Any:
     """An engine core for `args.model` at `args.dtype` over `weights` (model.weights) with a KV cache of
-    `kv_cache_dtype` (engine.kv_cache_dtype), warmed up."""
+    `kv_cache_dtype` (engine.kv_cache_dtype), under engine.deterministic or not, warmed up."""
     from services.common.config import load_config
     from services.engine.loading.factory import build_core
 
@@ -437,7 +457,9 @@ def build_engine(
     cfg = cfg.model_copy(
         update={
             "model": cfg.model.model_copy(update=model_update),
-            "engine": cfg.engine.model_copy(update={"kv_cache_dtype": kv_cache_dtype}),
+            "engine": cfg.engine.model_copy(
+                update={"kv_cache_dtype": kv_cache_dtype, "deterministic": deterministic}
+            ),
             "limits": cfg.limits.model_copy(update={"batch_size_limit": batch_size_limit}),
         }
     )

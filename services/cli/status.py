@@ -111,11 +111,13 @@ def _tiers_cell(tiers: Sequence[Mapping[str, Any]] | None) -> str:
 
 def _weights_cell(service: Mapping[str, Any]) -> str:
     """e.g. "gguf-hybrid(<=12,349MB)": the weights served, the largest step the C kernels take, and the
-    weights' resident bytes."""
+    weights' resident bytes; "gguf-int8(deterministic,90MB)" under engine.deterministic."""
     weights = service.get("weights")
     if weights is None:
         return "-"
     details = []
+    if service.get("numerics") == "deterministic":
+        details.append("deterministic")
     if service.get("small_step_max_tokens"):
         details.append(f"<={service['small_step_max_tokens']}")
     if service.get("weight_bytes"):

@@ -20,10 +20,16 @@ includes queueing and the whole prefill); the request timeout bounds it.
 `start(..., on_close=...)` runs an async callback once when the stream closes, however it closes, with
 the tokens the request used (prompt + generated so far), or None when the backend produced nothing:
 the admission gate (admission/gate.py) settles or releases its quota and slot there.
+
+`start(..., result_key=...)`: the exact-result cache (backend/results.py). A stored result under the key
+is replayed in place of the backend (which is never called); otherwise the backend's deltas are kept
+and stored once every sample has finished here, never for a stream that failed, timed out or was left
+before its end. `stats.result_cache` says which (hit or miss).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +43,7 @@ from services.codec.backend.protocol import (
     StepTimeoutError,
     TokenDelta,
 )
+from services.codec.backend.results import ResultCache, replay
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.text.detokenizer import IncrementalDetokenizer
 from services.codec.text.stop_strings import StopStringMatcher
@@ -44,6 +51,7 @@ from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
+from services.common.tenants import DEFAULT_TENANT
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI-compatible servers clamp to this
 
@@ -74,6 +82,7 @@ class Usage:
 
 GenerationEvent = TextDelta | SampleFinished | Usage
 OnClose = Callable[[int | None], Awaitable[None]]  # tokens used (prompt + generated), None: no output
+Recorder = Callable[[Sequence[TokenDelta]], None]  # keeps a finished generation's deltas
 
 
 def build_sampling(
@@ -96,8 +105,10 @@ class Generator:
         *,
         step_timeout_s: float | None = None,
         on_step_timeout: Callable[[], None] | None = None,
+        results: ResultCache | None = None,
     ) -> None:
         self._backend = backend
+        self.results = results  # the exact-result cache; None: off
         self._tokenizer = tokenizer
         self._metrics = metrics
         self.step_timeout_s = step_timeout_s
@@ -106,11 +117,25 @@ class Generator:
         self.num_requests_total = 0
 
     async def start(
-        self, request: GenerationRequest, stats: RequestStats, *, on_close: OnClose | None = None
+        self,
+        request: GenerationRequest,
+        stats: RequestStats,
+        *,
+        on_close: OnClose | None = None,
+        result_key: str | None = None,
     ) -> GenerationStream:
         """Sends `request` and waits for its first delta. Backend errors raise here, before any byte.
-        `on_close` runs once when the stream closes (here too, if starting fails)."""
-        iterator = aiter(self._backend.generate(request))
+        `on_close` runs once when the stream closes (here too, if starting fails). `result_key`: answer
+        from the exact-result cache when it holds the key, else store the result there."""
+        results, tenant = self.results, stats.tenant_id or DEFAULT_TENANT
+        stored = None
+        if results is not None and result_key is not None:
+            stored = await results.lookup(result_key, tenant)
+            stats.result_cache = "miss" if stored is None else "hit"
+        iterator = replay(stored) if stored is not None else aiter(self._backend.generate(request))
+        record: Recorder | None = None
+        if results is not None and result_key is not None and stored is None:
+            record = functools.partial(results.store_later, result_key, tenant)
         self.num_requests_total += 1
         self.num_running += 1
         stream = GenerationStream(
@@ -123,6 +148,7 @@ class Generator:
             step_timeout_s=self.step_timeout_s,
             on_step_timeout=self._on_step_timeout,
             on_close_async=on_close,
+            record=record,
         )
         try:
             await stream.prime()
@@ -150,8 +176,11 @@ class GenerationStream:
         step_timeout_s: float | None = None,
         on_step_timeout: Callable[[], None] | None = None,
         on_close_async: OnClose | None = None,
+        record: Recorder | None = None,
     ) -> None:
         self._iterator = iterator
+        self._record = record  # given every delta applied, once every sample has finished
+        self._applied: list[TokenDelta] = []
         self._request = request
         self._metrics = metrics
         self._stats = stats
@@ -193,6 +222,8 @@ class GenerationStream:
             delta = await self._next_delta()
         if not all(sample.is_finished for sample in self._samples):
             raise BackendFailedError("the backend stream ended before every sample finished")
+        if self._record is not None:
+            self._record(self._applied)
         if any(sample.is_stopped_here for sample in self._samples):
             await self.aclose()  # abort what the engine would still generate past the stop string
         else:
@@ -201,6 +232,8 @@ class GenerationStream:
 
     def _apply(self, delta: TokenDelta) -> list[GenerationEvent]:
         self._stats.record_delta()
+        if self._record is not None:
+            self._applied.append(delta)
         if delta.num_cached_tokens >= self._num_cached_tokens and delta.num_cache_written_tokens:
             self._stats.num_cache_written_tokens = delta.num_cache_written_tokens  # counted with these
         self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)

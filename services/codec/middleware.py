@@ -28,6 +28,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.codec.backend import results
 from services.codec.errors import BodyTooLargeError, describe, error_response
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.common import tracing
@@ -59,7 +60,10 @@ class RequestContextMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 response.update(status=message["status"], started=True)
-                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+                headers = MutableHeaders(scope=message)
+                headers.append(REQUEST_ID_HEADER, request_id)
+                if stats.result_cache is not None:  # hit, miss or skip: the request asked for it
+                    headers.append(results.RESPONSE_HEADER, stats.result_cache)
             await send(message)
 
         with _request_span(scope, request_id) as span:

@@ -25,8 +25,8 @@ KV_BLOCK_KEYS = ("total", "active", "cached", "free")
 PREFIX_CACHE_KEYS = ("queries", "hits")
 TRANSFER_KEYS = ("kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total")
 WORKER_KEYS = (
-    *TRANSFER_KEYS, "weights", "small_step_max_tokens", "weight_bytes", "steps_by_path", "kv_tiers",
-    "kv_tier_fetched_tokens_total",
+    *TRANSFER_KEYS, "weights", "numerics", "small_step_max_tokens", "weight_bytes", "steps_by_path",
+    "kv_tiers", "kv_tier_fetched_tokens_total",
 )  # fmt: skip
 
 router = APIRouter()

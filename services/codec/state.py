@@ -21,6 +21,7 @@ from services.codec.admission.metrics import LimitsMetrics
 from services.codec.backend.info import BackendInfoCache
 from services.codec.backend.protocol import Backend
 from services.codec.backend.readiness import Readiness
+from services.codec.backend.results import ResultCache
 from services.codec.errors import UnknownModelError
 from services.codec.generation import Generator
 from services.codec.metrics import CodecMetrics, RequestStats
@@ -48,7 +49,7 @@ class CodecIdentity:
 
     @property
     def system_fingerprint(self) -> str:
-        """A short fingerprint for responses' `system_fingerprint`."""
+        """A short fingerprint for responses' `system_fingerprint` before the workers' is known."""
         source = self.model_fingerprint or self.tokenizer_fingerprint
         return f"fp_{source[:FINGERPRINT_PREFIX_LEN]}"
 
@@ -87,6 +88,7 @@ class CodecState:
             metrics,
             step_timeout_s=config.limits.step_timeout_ms / 1000.0,
             on_step_timeout=limits_metrics.step_timeouts.inc,
+            results=ResultCache.from_config(config, metrics.registry, os.environ),
         )
         return cls(
             identity=identity,
@@ -103,8 +105,11 @@ class CodecState:
         )
 
     async def aclose(self) -> None:
-        """Releases what the state holds besides the backend (the quota store's connections)."""
+        """Releases what the state holds besides the backend (the quota store's and the result cache's
+        connections; result writes under way finish first)."""
         await self.gate.aclose()
+        if self.generator.results is not None:
+            await self.generator.results.aclose()
 
     def check_model(self, model: str | None) -> None:
         """404 model_not_found unless `model` is the served name (None is allowed where optional)."""
@@ -124,6 +129,18 @@ class CodecState:
     async def vocab_size(self) -> int:
         """The backend's vocabulary size (fetched on first use)."""
         return (await self.info.get()).vocab_size
+
+    @property
+    def system_fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: the workers' numerics fingerprint (the served model fingerprint:
+        weights, KV dtype and, in deterministic mode, the kernel build and threads), with `_det` under
+        engine.deterministic; the codec's own until the workers' info was read (every generation reads
+        it before its response starts)."""
+        info = self.info.cached
+        if info is None:
+            return self.identity.system_fingerprint
+        mode = "_det" if info.numerics == "deterministic" else ""
+        return f"fp_{info.model_fingerprint[:FINGERPRINT_PREFIX_LEN]}{mode}"
 
     @property
     def request_timeout_s(self) -> float:

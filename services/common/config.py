@@ -64,6 +64,10 @@ class EngineConfig(_Section):
     # torch's GEMMs. Unset: under model.weights gguf-hybrid, the shipped table's entry for this CPU and
     # num_threads (services/engine/ops/step_thresholds.json, `kvrelay bench threshold`); else 64.
     small_step_max_tokens: int | None = Field(default=None, ge=1)
+    # Every step on the C kernels, so a token's logits are bitwise the same whatever its neighbours,
+    # chunking, cache hits or preemptions (services/engine/loading/deterministic.py; docs/deterministic.md).
+    # CPU only; model.weights auto becomes gguf-int8, gguf-hybrid and bfloat16 compute are refused.
+    deterministic: bool = False
     max_model_len: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0)
     # auto: the first visible CUDA device, else the CPU (services/engine/loading/device.py).
@@ -190,6 +194,20 @@ class ResponsesConfig(_Section):
     compaction_keys_file: str | None = None
     compaction_max_output_tokens: int = Field(default=512, gt=0)  # the summary the model writes
     websocket: WebSocketConfig = WebSocketConfig()
+
+
+class ResultCacheConfig(_Section):
+    """The exact-result cache (docs/result-cache.md): a repeated greedy or seeded request, asked with
+    `x-kvrelay-result-cache: use` by a tenant listed here, answered from a stored result. Off without a
+    Redis: `url`, else the shared KV tier's (kv_tiers.shared_url)."""
+
+    url: str | None = Field(default=None, min_length=1)  # redis:// or rediss://
+    tenants: list[str] = Field(default_factory=list)  # the tenants that opted in; "*": every tenant
+    ttl_s: int = Field(default=3600, gt=0)
+    max_entry_bytes: int = Field(default=1 << 20, gt=0)  # a larger result is not stored
+    tenant_capacity_mb: int = Field(default=64, gt=0)  # each tenant's results; past it its oldest go
+    timeout_ms: int = Field(default=100, gt=0)  # a lookup slower than this is a miss
+    key_prefix: str = Field(default="kvrelay:results:", min_length=1, max_length=128)
 
 
 class LoggingConfig(_Section):
@@ -321,6 +339,7 @@ class KvrelayConfig(_Section):
     internal_tls: TlsConfig = TlsConfig()
     tracing: TracingConfig = TracingConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    result_cache: ResultCacheConfig = ResultCacheConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
@@ -450,13 +469,16 @@ def _leaf_annotation(keys: tuple[str, ...], env_name: str) -> Any:
 
 
 def _parse_env_value(raw: str, annotation: Any) -> Any:
-    """A YAML scalar (`512`, `true`, `1.5`, `null`); settings that take strings keep the raw text."""
+    """A YAML scalar (`512`, `true`, `1.5`, `null`), or a YAML flow list (`[a, b]`) for a list setting;
+    settings that take strings keep the raw text."""
     if _accepts_str(annotation):
         return raw
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+    if isinstance(value, list) and typing.get_origin(annotation) is list:
+        return value
     return raw if isinstance(value, dict | list) else value
 
 

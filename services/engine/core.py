@@ -131,6 +131,7 @@ class ServedWeights:
     weight_bytes: int  # resident bytes of every copy of the weights held
     small_step_max_tokens: int | None = None  # steps up to this many tokens run the C kernels; None: none
     small_step_source: str = ""  # where that number came from (ops/step_threshold.py)
+    numerics: str = "default"  # or deterministic (engine.deterministic: loading/deterministic.py)
 
 
 class EngineCore:

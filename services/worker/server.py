@@ -77,6 +77,7 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         small_step_max_tokens=core.served.small_step_max_tokens or 0,
         small_step_source=core.served.small_step_source,
         weight_bytes=core.served.weight_bytes,
+        numerics=core.served.numerics,
     )
 
 

@@ -3,7 +3,10 @@ worker writes through to a shared tier only the prefixes a client asked to keep 
 requested`): Anthropic `cache_control` breakpoints (5m and 1h) and OpenAI `prompt_cache_retention: "24h"`
 (a permission of the API key) survive a worker restart and are read back from the shared tier; the usage
 counts what each request computed and wrote, split by ttl, and always adds up to the prompt; a prompt
-nobody asked to keep, and another tenant's identical prompt, read nothing back.
+nobody asked to keep, and another tenant's identical prompt, read nothing back. Both tenants opted in to
+the exact-result cache (stored in the same shared tier): a repeated forced tool call is answered from it
+with the same call and fresh IDs while the worker counts no request, and the other tenant's identical
+request misses.
 """
 
 from __future__ import annotations
@@ -35,6 +38,20 @@ ENV = {
     "KVRELAY_KV_TIERS__SEGMENT_TOKENS": "64",
     "KVRELAY_KV_TIERS__WRITE_THROUGH": "requested",
     "KVRELAY_KV_TIERS__FETCH_DEADLINE_MS": "60000",  # what is read back is checked here, not how fast
+    "KVRELAY_RESULT_CACHE__TENANTS": "[alpha, bravo]",  # in the shared tier's Redis (kv_tiers.shared_url)
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
 }
 
 
@@ -196,3 +213,58 @@ def test_asked_prefixes_survive_a_worker_restart_and_the_usage_says_what_was_wri
         other.cache_read_input_tokens == 0
         and other.cache_creation_input_tokens == created.cache_creation_input_tokens
     )
+
+
+def replicas(knobs: Knobs) -> list[pb.Replica]:
+    router = worker_pb2_grpc.RouterStub(grpc.insecure_channel(knobs.stack.router_address))
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    return list(router.Replicas(pb.ReplicasRequest(), metadata=auth, timeout=5).replicas)
+
+
+def results_written(knobs: Knobs, tenant: str) -> float:
+    wanted = f'kvrelay_codec_result_cache_bytes_total{{direction="written",tenant="{tenant}"}} '
+    text = httpx.get(f"{knobs.stack.base_url}/metrics", headers=bearer(knobs, "alpha")).text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted)), 0.0)
+
+
+def forced_call(knobs: Knobs, tenant: str) -> tuple[Any, str | None]:
+    """A greedy chat completion forced to call get_weather, asking for the result cache; its header."""
+    raw = knobs.openai(tenant).chat.completions.with_raw_response.create(
+        model=model_of(knobs),
+        messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0.0,
+        extra_headers={"x-kvrelay-result-cache": "use"},
+    )
+    return raw.parse(), raw.headers.get("x-kvrelay-result-cache")
+
+
+def test_a_repeated_call_is_replayed_without_the_engine_and_another_tenant_misses(knobs: Knobs) -> None:
+    before = results_written(knobs, "alpha")
+    first, header = forced_call(knobs, "alpha")
+    assert header == "miss" and first.choices[0].finish_reason == "tool_calls"
+    [worker] = replicas(knobs)
+    mode = "_det" if worker.info.numerics == "deterministic" else ""
+    assert first.system_fingerprint == f"fp_{worker.info.model_fingerprint[:12]}{mode}"
+    wait_until(lambda: results_written(knobs, "alpha") > before, 30, "the result stored")
+    served = worker.load.requests_total
+    again, header = forced_call(knobs, "alpha")
+    assert header == "hit"
+    assert replicas(knobs)[0].load.requests_total == served  # the engine never saw it
+    [call] = first.choices[0].message.tool_calls or []
+    [replayed] = again.choices[0].message.tool_calls or []
+    assert replayed.function == call.function  # the same name and arguments
+    assert replayed.id != call.id and again.id != first.id  # minted fresh
+    assert again.usage is not None and first.usage is not None
+    assert (again.usage.prompt_tokens, again.usage.completion_tokens) == (
+        first.usage.prompt_tokens,
+        first.usage.completion_tokens,
+    )
+    other, header = forced_call(knobs, "bravo")
+    assert header == "miss"  # its own key (the tenant salt is in it) under its own prefix
+    assert replicas(knobs)[0].load.requests_total == served + 1
+    [theirs] = other.choices[0].message.tool_calls or []
+    assert theirs.function == call.function  # greedy: the same call, computed again

@@ -44,6 +44,7 @@ def test_side_names_carry_only_what_the_run_varies() -> None:
     assert side_name("auto", "auto", 1, 1) == "kvrelay"
     assert side_name("gguf-int8", "auto", 2, 1) == "kvrelay-gguf-int8"
     assert side_name("gguf-int8", "float32", 1, 2) == "kvrelay-gguf-int8-kv-float32"
+    assert side_name("auto", "auto", 1, 1, "deterministic") == "kvrelay-deterministic"
 
 
 def test_sides_compare_by_the_median_of_ratios_taken_within_each_round() -> None:

@@ -106,7 +106,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 @pytest.fixture
 def fake(model_dir: Path) -> FakeBackend:
-    return FakeBackend(identity_for(model_dir).tokenizer_fingerprint)
+    return FakeBackend(identity_for(model_dir).tokenizer_fingerprint, model_fingerprint=MODEL_FINGERPRINT)
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.common.cache_redis import start_cache_redis, stop_cache_redis
 from services.kvcache.disk_tier import DiskTier
 from services.kvcache.host_tier import HostTier
 from services.kvcache.redis_tier import RedisTier, tenant_keys
 from services.kvcache.tier import Breaker, TierUnavailable
+from tests.kv_helpers import cache_redis_url
 from tests.ports import free_port
 
 NS = "0123456789abcdef"
@@ -81,10 +81,8 @@ def test_a_key_that_is_not_a_segment_key_is_refused(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def cache_redis() -> Iterator[str]:
     """A Redis of the shared tier's role: LRU over a small maxmemory, persistence off."""
-    port = free_port()
-    proc = start_cache_redis(port, maxmemory_mb=2)
-    yield f"redis://127.0.0.1:{port}/0"
-    stop_cache_redis(proc)
+    with cache_redis_url(2) as url:
+        yield url
 
 
 def test_the_shared_tier_stores_once_refreshes_on_a_hit_and_expires(cache_redis: str) -> None:

@@ -216,10 +216,12 @@ class Gate:
         stats: RequestStats,
         *,
         request_charge: Reservation | None = None,
+        result_key: str | None = None,
     ) -> GenerationStream:
         """Quotas (429), then a concurrency slot in the fair queue (503/529 when saturated), then the
         backend. The reservation is for prompt + n × max_tokens; it and the slot are given back when the
-        stream closes, or here if starting fails."""
+        stream closes, or here if starting fails. `result_key`: the exact-result cache's (Generator.start);
+        a replayed result passes the quotas and the queue and is charged as a generated one is."""
         sampling = request.sampling
         num_tokens = len(request.prompt_token_ids) + sampling.n * sampling.max_tokens
         with tracing.span("admission", attributes={"kvrelay.tenant": tenant_id}) as span:
@@ -232,7 +234,7 @@ class Gate:
                 stats.queue_wait_s = waited_s
                 if request.timeout_s is not None:
                     request = replace(request, timeout_s=max(request.timeout_s - waited_s, 0.001))
-            return await self._generator.start(request, stats, on_close=lease.close)
+            return await self._generator.start(request, stats, on_close=lease.close, result_key=result_key)
         except BaseException:
             await lease.close(None)  # does nothing when the failed stream's close already gave it back
             raise

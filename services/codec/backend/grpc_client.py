@@ -58,6 +58,7 @@ class GrpcBackend:
             model_fingerprint=info.model_fingerprint,
             tokenizer_fingerprint=info.tokenizer_fingerprint,
             vocab_size=info.vocab_size,
+            numerics=info.numerics or "default",
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
@@ -156,4 +157,5 @@ def _weights_status(replica: pb.Replica) -> dict[str, Any]:
         "weights": info.weights,
         "small_step_max_tokens": info.small_step_max_tokens or None,
         "weight_bytes": info.weight_bytes,
+        "numerics": info.numerics or "default",
     }

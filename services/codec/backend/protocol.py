@@ -76,6 +76,13 @@ class BackendInfo:
     model_fingerprint: str
     tokenizer_fingerprint: str
     vocab_size: int
+    numerics: str = "default"  # the workers' numerics mode: default or deterministic (engine.deterministic)
+
+    @property
+    def numerics_fingerprint(self) -> str:
+        """What the workers' numbers depend on: the served model fingerprint (weights, KV dtype and, in
+        deterministic mode, the kernel build and threads) and the mode."""
+        return f"{self.model_fingerprint}/{self.numerics}"
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class ServiceStatus:
     weights: str | None = None
     small_step_max_tokens: int | None = None
     weight_bytes: int | None = None
+    numerics: str | None = None  # default or deterministic (engine.deterministic)
     steps_by_path: dict[str, int] | None = None
     # Workers only: the KV tiers below the pool (name, up, hits, misses, bytes, ...: worker.proto KVTier).
     kv_tiers: list[dict[str, Any]] | None = None

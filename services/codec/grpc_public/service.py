@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind
 from services.codec.admission.auth import rpc_tenant
 from services.codec.admission.errors import AdmissionRefusedError, OverloadedError, RateLimitedError
 from services.codec.admission.gate import SamplingSource
+from services.codec.backend import results
 from services.codec.errors import describe, is_expected
 from services.codec.generation import SampleFinished, TextDelta, Usage
 from services.codec.grpc_public.requests import chat_request, completion_request
@@ -45,6 +46,7 @@ from services.codec.protocols.output import (
     is_tool_finish,
     prepare,
 )
+from services.codec.protocols.result_key import result_key_if_asked
 from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
 from services.codec.text.prompts import encode_prompt
@@ -205,7 +207,13 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
             session_key=prepared.session_key,
             cache_salt=tenant.cache_salt,
         )
-        generation = await gate.start(tenant.tenant_id, generation_request, stats)
+        asked = _metadata_value(context, results.REQUEST_HEADER) or ""
+        key = await result_key_if_asked(
+            asked, self._state, stats, tenant.tenant_id, generation_request, prepared.plan
+        )
+        generation = await gate.start(tenant.tenant_id, generation_request, stats, result_key=key)
+        if stats.result_cache is not None:  # hit, miss or skip, as HTTP's x-kvrelay-result-cache header
+            context.set_trailing_metadata(((results.RESPONSE_HEADER, stats.result_cache),))
         try:
             events = assistant_events(generation, prepared.plan)
             async with aclosing(response_messages(events, response_cls)) as messages:

@@ -117,6 +117,7 @@ async def create_message(request: Request) -> Response:
         prompt_param=PROMPT_PARAM,
         session_key=_session_key(request, state, body),
         cache_breakpoints=breakpoints,
+        plan=plan,
     )
     head = _MessageHead(f"{ID_PREFIX}{uuid.uuid4().hex}", state.identity.model_name, breakpoints)
     headers = {ANTHROPIC_REQUEST_ID_HEADER: request_id(request)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -16,6 +16,7 @@ from fastapi import Request
 
 from services.codec.admission.gate import SamplingSource
 from services.codec.admission.tenancy import tenant_of
+from services.codec.backend import results
 from services.codec.backend.protocol import BackendUnavailableError
 from services.codec.errors import WireError, describe
 from services.codec.generation import (
@@ -25,8 +26,10 @@ from services.codec.generation import (
     Usage,
 )
 from services.codec.metrics import RequestStats
-from services.codec.protocols.disconnect import unless_client_leaves
+from services.codec.protocols.disconnect import run_unless_gone, unless_client_leaves
+from services.codec.protocols.output import OutputPlan
 from services.codec.protocols.request_body import read_request
+from services.codec.protocols.result_key import result_key_if_asked
 from services.codec.protocols.sse import EventStreamResponse, encode_event
 from services.codec.state import CodecState, backend_request_id, codec_state, request_id, request_stats
 from services.common.engine_input import CacheBreakpoint
@@ -43,6 +46,7 @@ class RouteBody(Protocol):
 
 
 BodyT = TypeVar("BodyT", bound=RouteBody)
+PLAIN = OutputPlan()  # text read as it comes: no tools, no reasoning, no constraint
 T = TypeVar("T")
 
 
@@ -74,9 +78,11 @@ async def admit_and_start(
     prompt_param: str,
     session_key: str = "",
     cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
+    plan: OutputPlan = PLAIN,
 ) -> GenerationStream:
-    """The gate's context rules and sampling validation, quotas, a slot, then the backend. Every refusal
-    happens before any byte and reaches the client through the registered error handler."""
+    """The gate's context rules and sampling validation, quotas, a slot, then the backend (or the
+    exact-result cache, for a request that asks: `plan` is how its output is read, part of the key).
+    Every refusal happens before any byte and reaches the client through the registered error handler."""
     tenant = tenant_of(request)
     try:
         generation_request = await state.gate.admit(
@@ -95,11 +101,17 @@ async def admit_and_start(
     except BackendUnavailableError:  # the server's failure, not the request's: its entry charge comes back
         await state.gate.quotas.refund(request.state.request_charge)
         raise
+    asked = request.headers.get(results.REQUEST_HEADER, "")
+    key = await result_key_if_asked(asked, state, stats, tenant.tenant_id, generation_request, plan)
     # A client that leaves while queued, or while waiting for its first token, is dropped there and then.
     return await unless_client_leaves(
         request.receive,
         lambda: state.gate.start(
-            tenant.tenant_id, generation_request, stats, request_charge=request.state.request_charge
+            tenant.tenant_id,
+            generation_request,
+            stats,
+            request_charge=request.state.request_charge,
+            result_key=key,
         ),
     )
 
@@ -122,7 +134,7 @@ class Envelope:
             object_name,
             int(time.time()),
             identity.model_name,
-            identity.system_fingerprint,
+            state.system_fingerprint,
         )
 
     def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -177,17 +189,6 @@ async def collect_unless_gone(
 ) -> tuple[list[CollectedSample], Usage]:
     """The whole result; if the client leaves first, the generation is aborted (ClientClosedError)."""
     return await run_unless_gone(request, generation, lambda: collect(generation, num_samples))
-
-
-async def run_unless_gone(
-    request: Request, generation: GenerationStream, work: Callable[[], Awaitable[T]]
-) -> T:
-    """`work` (reading `generation` to its end) unless the client leaves first (ClientClosedError);
-    either way the generation is closed, which aborts it if it still runs."""
-    try:
-        return await unless_client_leaves(request.receive, work)
-    finally:
-        await generation.aclose()
 
 
 def stream_response(

@@ -10,9 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+from starlette.requests import Request
 from starlette.types import Receive
 
 from services.codec.errors import ClientClosedError
+from services.codec.generation import GenerationStream
 
 ResultT = TypeVar("ResultT")
 
@@ -40,3 +42,14 @@ async def unless_client_leaves(receive: Receive, work: Callable[[], Awaitable[Re
     if not results:
         raise ClientClosedError()
     return results[0]
+
+
+async def run_unless_gone(
+    request: Request, generation: GenerationStream, work: Callable[[], Awaitable[ResultT]]
+) -> ResultT:
+    """`work` (reading `generation` to its end) unless the client leaves first (ClientClosedError);
+    either way the generation is closed, which aborts it if it still runs."""
+    try:
+        return await unless_client_leaves(request.receive, work)
+    finally:
+        await generation.aclose()

@@ -75,6 +75,7 @@ async def create_chat_completion(request: Request) -> Response:
             tenant=tenant_of(request).tenant_id,
         ),
         cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
+        plan=plan,
     )
     envelope = Envelope.new(
         ID_PREFIX, "chat.completion.chunk" if body.is_stream else "chat.completion", state

@@ -61,8 +61,9 @@ from services.codec.errors import (
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
 from services.codec.protocols.cache_retention import check_retention, retention_breakpoints
-from services.codec.protocols.common import admit_and_start, open_route, run_unless_gone, stream_response
+from services.codec.protocols.common import admit_and_start, open_route, stream_response
 from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
+from services.codec.protocols.disconnect import run_unless_gone
 from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
 from services.codec.protocols.output import AssistantEvent, Constrained, OutputPlan, assistant_events, prepare
 from services.codec.protocols.schemas.responses import ResponsesRequest, call_ids_of
@@ -156,6 +157,7 @@ async def create_response(request: Request) -> Response:
                 tenant=tenant,
             ),
             cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
+            plan=plan,
         )
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None

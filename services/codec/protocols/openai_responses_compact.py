@@ -104,6 +104,7 @@ async def compact_response(request: Request) -> Response:
         max_tokens=summary_request.max_output_tokens,
         logprobs=None,
         prompt_param="input",
+        plan=plan,
     )
     outputs, usage = await collect_output_unless_gone(request, generation, plan, 1)
     created_at = int(time.time())

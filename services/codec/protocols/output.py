@@ -23,7 +23,7 @@ from fastapi import Request
 
 from services.codec.admission.gate import SamplingSource
 from services.codec.generation import GenerationEvent, GenerationStream, SampleFinished, TextDelta, Usage
-from services.codec.protocols.common import run_unless_gone
+from services.codec.protocols.disconnect import run_unless_gone
 from services.codec.state import CodecState
 from services.codec.text.chat_template import ChatTemplate
 from services.codec.text.reasoning import (

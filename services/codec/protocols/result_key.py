@@ -24,8 +24,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from services.codec.backend import results
 from services.codec.backend.protocol import GenerationRequest
+from services.codec.metrics import RequestStats
 from services.codec.protocols.output import OutputPlan
+from services.codec.state import CodecState
 from services.codec.text.tool_calls import ToolSet
 from services.common.grammar import Constraint
 
@@ -79,3 +82,24 @@ def _canonical(value: Any) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     raise TypeError(f"no canonical form for {type(value).__name__} in a result key")
+
+
+async def result_key_if_asked(
+    asked: str,
+    state: CodecState,
+    stats: RequestStats,
+    tenant_id: str,
+    generation: GenerationRequest,
+    plan: OutputPlan,
+) -> str | None:
+    """The request's key in the exact-result cache when it asks for it (`asked`: its
+    x-kvrelay-result-cache header or gRPC metadata is "use") and may use it: the cache is on, its tenant
+    opted in, and it is greedy or seeded. Asked but not eligible: `stats.result_cache` says "skip"."""
+    if asked.strip().lower() != "use":
+        return None
+    cache = state.generator.results
+    stats.result_cache = "skip"
+    if cache is None or not cache.admits(tenant_id) or not results.is_replayable(generation.sampling):
+        return None
+    info = await state.info.get()
+    return result_key(generation, plan, info.numerics_fingerprint)

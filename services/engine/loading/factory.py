@@ -130,9 +130,19 @@ def build_core(config: KvrelayConfig) -> EngineCore:
         weights = stored_weight_bytes(config.model.path, config.model.dtype)
         util = config.engine.gpu_memory_utilization
         check_weights_fit(weights, before_load.total_bytes, before_load.available_bytes, util)
+    loaded = load_for(config, device)
+    grammars = GrammarMatchers(
+        Path(config.model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size
+    )
+    return build_core_from_loaded(loaded, config, before_load=before_load, grammars=grammars)
+
+
+def load_for(config: KvrelayConfig, device: torch.device | None = None) -> LoadedModel:
+    """The model `config` names, loaded as its model and engine sections say (on the CPU by default)."""
     engine = config.engine
     model = config.model
-    loaded = load_model(
+    device = device or torch.device("cpu")
+    return load_model(
         model.path,
         model.dtype,
         device,
@@ -142,11 +152,8 @@ def build_core(config: KvrelayConfig) -> EngineCore:
         kv_cache_dtype=engine.kv_cache_dtype,
         small_step_max_tokens=engine.small_step_max_tokens,
         kv_cache_bytes=engine.kv_cache_memory_mb * 2**20 if device.type == "cpu" else 0,
+        deterministic=engine.deterministic,
     )
-    grammars = GrammarMatchers(
-        Path(model.path) / "tokenizer.json", loaded.config.eos_token_ids, loaded.config.vocab_size
-    )
-    return build_core_from_loaded(loaded, config, before_load=before_load, grammars=grammars)
 
 
 def build_core_from_loaded(
@@ -258,6 +265,7 @@ def served_weights(loaded: LoadedModel) -> ServedWeights:
         loaded.weight_bytes,
         None if threshold is None else threshold.max_tokens,
         "" if threshold is None else threshold.source,
+        loaded.numerics,
     )
 
 

@@ -21,6 +21,7 @@ from services.common.errors import ConfigError, CorruptModelError, ModelLoadErro
 from services.common.manifest import GGUF_WEIGHTS_NAME, UNKNOWN_FINGERPRINT, Manifest, load_verified_manifest
 from services.engine.kv_export import dtype_name
 from services.engine.layers.kv_cache import fits_host_memory
+from services.engine.loading import deterministic as numerics
 from services.engine.loading.gguf_weights import BLOCK_ARCHITECTURES, load_gguf_weights
 from services.engine.model_config import ModelConfig
 from services.engine.models.registry import CausalLM, build_model
@@ -164,6 +165,7 @@ class LoadedModel:
     precision: Precision | None = None
     weights: str = "safetensors"  # the model.weights served (auto resolved)
     step_threshold: StepThreshold | None = None  # where small steps end, when the C kernels run them
+    numerics: str = "default"  # default, or deterministic (engine.deterministic: deterministic.py)
 
 
 def load_model(
@@ -177,6 +179,7 @@ def load_model(
     kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype
     small_step_max_tokens: int | None = None,  # engine.small_step_max_tokens
     kv_cache_bytes: int = 0,  # the host KV cache to come (engine.kv_cache_memory_mb), for auto's memory check
+    deterministic: bool = False,  # engine.deterministic: every step on the C kernels (deterministic.py)
 ) -> LoadedModel:
     """Verify the directory against its manifest, then build the model on `device` (the CPU by default),
     its layers on the paged attention `engine.attention` names (attention_backend.py) for KV blocks of
@@ -186,17 +189,27 @@ def load_model(
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelNotFoundError(f"model directory {path} does not exist")
+    if deterministic:
+        numerics.check_device(device)
+        numerics.check_dtype(dtype)
     manifest = load_verified_manifest(path, scope="model")
     config = ModelConfig.from_dir(path)
     chosen = choose_weights(
         weights, path, architecture=config.architecture, dtype=dtype, device=device.type, attention=attention
     )
+    if deterministic:
+        chosen = numerics.weights_for(weights, chosen)
     if chosen in BLOCK_CHOICES:
-        options = _BlockOptions(chosen, weights == "auto", small_step_max_tokens, kv_cache_bytes)
-        return _load_gguf_blocks(
+        options = _BlockOptions(
+            chosen, weights == "auto" and not deterministic, small_step_max_tokens, kv_cache_bytes
+        )
+        blocks = _load_gguf_blocks(
             path, manifest, config, dtype, device, attention, block_size, kv_cache_dtype, options
         )
+        return _deterministic(blocks) if deterministic else blocks
     precision = resolve_precision(dtype, device.type)
+    if deterministic:  # bf16 weights stay bf16 (the kernels read them as stored); the sums are fp32
+        precision = Precision(precision.weights, torch.float32)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
@@ -205,10 +218,22 @@ def load_model(
             raise CorruptModelError(f"cannot read weights {file.name}: {exc}") from exc
         tensors.update({name: t.to(precision.weights) for name, t in loaded.items()})
         del loaded
-    return _build(
+    built = _build(
         config, tensors, manifest, precision, dtype, attention, block_size, kv_cache_dtype,
         small_step_max_tokens=small_step_max_tokens,
     )  # fmt: skip
+    return _deterministic(built) if deterministic else built
+
+
+def _deterministic(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with engine.deterministic on: no step threshold (every step runs the kernels), served under
+    the fingerprint of its numbers (deterministic.numerics_fingerprint)."""
+    manifest = numerics.enable(loaded.model, loaded.manifest)
+    log.info(
+        "engine.deterministic: every step on the C kernels",
+        extra={"model_fingerprint": manifest.model_fingerprint},
+    )
+    return dataclasses.replace(loaded, manifest=manifest, step_threshold=None, numerics="deterministic")
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,8 @@ class LlamaModel:
         self.paged: PagedAttention = paged or TorchAttention()
         self.dtype = dtype
         self.small_step_max_tokens = small_step_max_tokens
+        # engine.deterministic (loading/deterministic.py): every step on the C kernels, whatever its size
+        self.deterministic = False
 
         used: set[str] = set()
 
@@ -252,19 +254,18 @@ class LlamaModel:
     ) -> torch.Tensor:
         """token_ids: [num_tokens]; returns float32 logits [len(logits_indices), vocab]."""
         kernels = self.kernels
-        is_small = meta.num_tokens <= self.small_step_max_tokens
-        if (
-            kernels is not None
-            and is_small
+        is_small = (
+            meta.num_tokens <= self.small_step_max_tokens
             and meta.num_prefill_key_reads <= SMALL_STEP_MAX_PREFILL_KEY_READS
-        ):
+        )
+        if kernels is not None and (is_small or self.deterministic):
             self.num_steps_by_path["kernels"] += 1
             h = self._kernel_forward(kernels, token_ids, kv_caches, meta)  # [num_tokens, hidden]
         else:
             self.num_steps_by_path["gemm"] += 1
             h = self._torch_forward(token_ids, kv_caches, meta)  # [num_tokens, hidden]
         h = h[logits_indices]  # [num_samples, hidden]
-        if kernels is None or h.shape[0] > self.small_step_max_tokens:
+        if kernels is None or (h.shape[0] > self.small_step_max_tokens and not self.deterministic):
             return self.lm_head_linear(self._rms_norm(h, self.norm)).float()  # [num_samples, vocab]
         x = torch.empty_like(h)  # [num_samples, hidden]
         kernels.rms_norm(h, self.norm, x, self.config.rms_norm_eps)

@@ -8,6 +8,7 @@ Each method's torch twin is in reference.py.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 
@@ -111,6 +112,9 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library
+        # The built library's name (kernels-<digest of source, compiler and options>): one build, one set of
+        # bits; engine.deterministic puts it in the model fingerprint.
+        self.build_id = Path(library._name).stem
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(library, name)
             fn.argtypes = argtypes
