@@ -402,6 +402,12 @@ def with_tiers(**kv_tiers: Any) -> dict[str, Any]:
         (with_tiers(cacheRedis={"maxMemory": "lots"}), "maxMemory"),
         (with_tiers(cacheRedis={"enabled": False, "external": {"url": "http://cache:6379"}}), "url"),
         (with_tiers(segmentTokens=0), "segmentTokens"),
+        # the exact-result cache needs a Redis: the shared tier's, or its own
+        ({"config": {"result_cache": {"tenants": ["*"]}}}, r"config\.result_cache\.tenants needs a Redis"),
+        (
+            {**with_tiers(cacheRedis={"enabled": False}), "config": {"result_cache": {"tenants": ["a"]}}},
+            r"config\.result_cache\.tenants needs a Redis",
+        ),
     ],
 )
 def test_refuses_what_would_not_work_or_would_leak(values: dict[str, Any], complaint: str) -> None:
@@ -416,3 +422,37 @@ def test_the_host_tier_alone_is_a_tier() -> None:
     env = env_of(container(objects, "decode"))
     assert env["KVRELAY_KV_TIERS__HOST_CAPACITY_MB"]["value"] == "1024"
     assert "KVRELAY_KV_TIERS__SHARED_URL" not in env and "KVRELAY_KV_TIERS_PASSWORD" not in env
+
+
+@pytest.mark.parametrize("combo", ["on", "paired-tls"])
+def test_the_codec_keeping_results_in_the_shared_tier_reaches_it_and_only_it_more(combo: str) -> None:
+    """config.result_cache.tenants with the shared tier: the codec gets its URL, password and CA, and one
+    more flow, codec to the cache Redis; nothing else changes. Without tenants, or with a url of its own,
+    the codec gets none of it."""
+    values = {
+        **COMBOS[combo],
+        "config": {**COMBOS[combo].get("config", {}), "result_cache": {"tenants": ["*"]}},
+    }
+    objects = render(values)
+    codec, decode = env_of(container(objects, "codec")), env_of(container(objects, "decode"))
+    for name in ("KVRELAY_KV_TIERS__SHARED_URL", "KVRELAY_KV_TIERS_PASSWORD"):
+        assert codec[name] == decode[name], name
+    mounts = {m["name"]: m for m in container(objects, "codec")["volumeMounts"]}
+    assert ("kv-cache-tls" in mounts) == (combo == "paired-tls")
+    assert flows(objects) == flows(render(COMBOS[combo])) | {("codec", "kv-cache", "redis")}
+    own = {**values, "config": {**values["config"], "result_cache": {"tenants": ["*"], "url": "redis://r/0"}}}
+    assert not tier_env(container(render(own), "codec"))
+
+
+def test_an_external_cache_redis_for_results_needs_the_codec_egress_the_notes_say() -> None:
+    values = {**COMBOS["external"], "config": {"result_cache": {"tenants": ["*"]}}}
+    codec = env_of(container(render(values), "codec"))
+    assert codec["KVRELAY_KV_TIERS__SHARED_URL"]["value"] == EXTERNAL_URL
+    assert codec["KVRELAY_KV_TIERS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "kv-cache-pw",
+        "key": "pw",
+    }
+    egress = {"networkPolicy": {"enabled": True, "egress": {"enabled": True}}}
+    assert "extraEgress.codec allows it" in render_notes({**values, **egress})
+    allowed_codec = {"networkPolicy": {**egress["networkPolicy"], "extraEgress": {"codec": [{"to": []}]}}}
+    assert "extraEgress.codec allows it" not in render_notes({**values, **allowed_codec})

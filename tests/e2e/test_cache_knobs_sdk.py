@@ -39,6 +39,7 @@ ENV = {
     "KVRELAY_KV_TIERS__WRITE_THROUGH": "requested",
     "KVRELAY_KV_TIERS__FETCH_DEADLINE_MS": "60000",  # what is read back is checked here, not how fast
     "KVRELAY_RESULT_CACHE__TENANTS": "[alpha, bravo]",  # in the shared tier's Redis (kv_tiers.shared_url)
+    "KVRELAY_RESULT_CACHE__TIMEOUT_MS": "10000",
 }
 WEATHER_TOOL = {
     "type": "function",

@@ -51,7 +51,9 @@ class Codec:
         **settings: Any,
     ) -> None:  # fmt: skip
         self.fake = FakeBackend(identity_for(model_dir).tokenizer_fingerprint)
-        cache = ResultCacheConfig(url=url, tenants=list(tenants), key_prefix=f"t-{uuid.uuid4().hex}:")
+        cache = ResultCacheConfig(
+            url=url, tenants=list(tenants), key_prefix=f"t-{uuid.uuid4().hex}:", timeout_ms=10_000
+        )  # what is stored is checked here, not how fast
         config = KvrelayConfig(result_cache=cache, **settings)
         self.app = make_app(tokenizer, self.fake, identity_for(model_dir), config)
         self.tokenizer = tokenizer
@@ -219,7 +221,9 @@ def test_system_fingerprint_names_the_workers_numerics_and_mode(
 async def test_the_public_grpc_api_asks_with_metadata_and_reads_the_outcome_in_trailers(
     redis_url: str, model_dir: Path, tokenizer: Tokenizer
 ) -> None:
-    cache = ResultCacheConfig(url=redis_url, tenants=["*"], key_prefix=f"t-{uuid.uuid4().hex}:")
+    cache = ResultCacheConfig(
+        url=redis_url, tenants=["*"], key_prefix=f"t-{uuid.uuid4().hex}:", timeout_ms=10_000
+    )
     identity = identity_for(model_dir)
     async for api in serve_api(tokenizer, identity, KvrelayConfig(result_cache=cache)):
         api.fake.script = scripted([tokenizer.encode(" Paris.", add_special_tokens=False)])

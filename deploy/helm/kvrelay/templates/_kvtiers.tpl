@@ -58,6 +58,13 @@
 - name: {{ printf "KVRELAY_KV_TIERS__%s" (upper $key) }}
   value: {{ index $keys $key | toString | quote }}
 {{- end }}
+{{- include "kvrelay.kvCachePasswordEnv" . }}
+{{- end }}
+{{- end }}
+
+{{/* KVRELAY_KV_TIERS_PASSWORD from its Secret: the bundled cache Redis's, or the external one's if any. */}}
+{{- define "kvrelay.kvCachePasswordEnv" -}}
+{{- $c := .Values.kvTiers.cacheRedis }}
 {{- if $c.enabled }}
 - name: KVRELAY_KV_TIERS_PASSWORD
   valueFrom:
@@ -71,6 +78,44 @@
       name: {{ $c.external.existingSecret }}
       key: {{ $c.external.key }}
 {{- end }}
+{{- end }}
+
+{{/* True when the codec keeps the exact-result cache (config.result_cache, docs/result-cache.md) in the
+     shared tier's Redis: the KV tiers on with a shared tier, tenants that opted in, and no url of its
+     own. The codec then gets the shared tier's URL, password and CA, and may reach the cache Redis. */}}
+{{- define "kvrelay.resultCacheInTier" -}}
+{{- $rc := dig "result_cache" dict (default dict .Values.config) }}
+{{- if and .Values.kvTiers.enabled (include "kvrelay.kvTiersSharedUrl" .) (get $rc "tenants") (not (get $rc "url")) }}true{{- end }}
+{{- end }}
+
+{{/* The codec container's env for the result cache in the shared tier: its URL and password. */}}
+{{- define "kvrelay.resultCacheEnv" -}}
+{{- if include "kvrelay.resultCacheInTier" . }}
+- name: KVRELAY_KV_TIERS__SHARED_URL
+  value: {{ include "kvrelay.kvTiersSharedUrl" . | quote }}
+{{- include "kvrelay.kvCachePasswordEnv" . }}
+{{- end }}
+{{- end }}
+
+{{/* The cache Redis's CA where the pod checks its TLS certificate: workers with a shared tier, and the codec
+     when it keeps the result cache there. */}}
+{{- define "kvrelay.kvCacheTlsVolume" -}}
+{{- if and (include "kvrelay.kvCacheBundled" .) .Values.kvTiers.cacheRedis.tls.enabled }}
+- name: kv-cache-tls
+  secret:
+    secretName: {{ include "kvrelay.kvCacheTlsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "kvrelay.kvCacheTlsMount" -}}
+{{- if and (include "kvrelay.kvCacheBundled" .) .Values.kvTiers.cacheRedis.tls.enabled }}
+- name: kv-cache-tls
+  mountPath: {{ include "kvrelay.kvCacheTlsDir" . }}
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -90,15 +135,7 @@
     sizeLimit: {{ printf "%dMi" (div (mul (int $t.disk.capacityMb) 5) 4) }}
 {{- end }}
 {{- end }}
-{{- if and (include "kvrelay.kvCacheBundled" .) $t.cacheRedis.tls.enabled }}
-- name: kv-cache-tls
-  secret:
-    secretName: {{ include "kvrelay.kvCacheTlsSecretName" . }}
-    defaultMode: 0440
-    items:
-      - key: ca.crt
-        path: ca.crt
-{{- end }}
+{{- include "kvrelay.kvCacheTlsVolume" . }}
 {{- end }}
 
 {{- define "kvrelay.kvTiersMounts" -}}
@@ -107,11 +144,7 @@
 - name: kv-tiers-disk
   mountPath: {{ include "kvrelay.kvTiersDiskDir" . }}
 {{- end }}
-{{- if and (include "kvrelay.kvCacheBundled" .) $t.cacheRedis.tls.enabled }}
-- name: kv-cache-tls
-  mountPath: {{ include "kvrelay.kvCacheTlsDir" . }}
-  readOnly: true
-{{- end }}
+{{- include "kvrelay.kvCacheTlsMount" . }}
 {{- end }}
 
 {{/* What the chart refuses about the KV tiers (included by kvrelay.checkValues). */}}
@@ -121,6 +154,10 @@
 {{- end }}
 {{- $t := .Values.kvTiers }}
 {{- $c := $t.cacheRedis }}
+{{- $rc := dig "result_cache" dict (default dict .Values.config) }}
+{{- if and (get $rc "tenants") (not (get $rc "url")) (not (and $t.enabled (include "kvrelay.kvTiersSharedUrl" .))) }}
+{{- fail "config.result_cache.tenants needs a Redis: the shared KV tier's (kvTiers.enabled with kvTiers.cacheRedis, bundled or external), or config.result_cache.url (docs/result-cache.md)" }}
+{{- end }}
 {{- if $t.enabled }}
 {{- if not (or $t.disk.enabled $c.enabled $c.external.url (gt (int $t.hostCapacityMb) 0)) }}
 {{- fail "kvTiers.enabled needs a tier: kvTiers.disk.enabled, kvTiers.cacheRedis.enabled (the chart's cache Redis), kvTiers.cacheRedis.external.url, or kvTiers.hostCapacityMb" }}
