@@ -222,13 +222,18 @@ class GenerationStream:
             delta = await self._next_delta()
         if not all(sample.is_finished for sample in self._samples):
             raise BackendFailedError("the backend stream ended before every sample finished")
-        if self._record is not None:
-            self._record(self._applied)
         if any(sample.is_stopped_here for sample in self._samples):
+            self._keep_result()
             await self.aclose()  # abort what the engine would still generate past the stop string
         else:
-            await self._next_delta()  # the backend's own end of stream
+            await self._next_delta()  # the backend's own end of stream (it may still fail)
+            self._keep_result()
         yield self._usage()
+
+    def _keep_result(self) -> None:
+        """Every sample finished here and the stream ended well: the result may be stored."""
+        if self._record is not None:
+            self._record(self._applied)
 
     def _apply(self, delta: TokenDelta) -> list[GenerationEvent]:
         self._stats.record_delta()

@@ -104,6 +104,30 @@ class RequestStats:
         return http_status
 
 
+class ResultCacheMetrics:
+    """The exact-result cache's counters (codec/backend/results.py); registered whether it is on or not."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.lookups = Counter(
+            "kvrelay_codec_result_cache_lookups_total",
+            "Exact-result cache lookups by tenant and outcome (hit, miss).",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.bytes = Counter(
+            "kvrelay_codec_result_cache_bytes_total",
+            "Bytes of results read from (hit) or written to (stored) the exact-result cache, by tenant.",
+            ["tenant", "direction"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "kvrelay_codec_result_cache_errors_total",
+            "Exact-result cache calls that failed or timed out (get: served as a miss; put: not stored).",
+            ["operation"],
+            registry=registry,
+        )
+
+
 class CodecMetrics:
     """The codec's instruments. Every app gets its own registry, so tests and apps never share counts."""
 
@@ -180,6 +204,7 @@ class CodecMetrics:
             ["tenant"],
             registry=self.registry,
         )
+        self.result_cache = ResultCacheMetrics(self.registry)
         self.auth_failures = Counter(
             "kvrelay_auth_failures_total",
             "Requests refused for a missing or invalid API key.",
@@ -215,9 +240,10 @@ class CodecMetrics:
             self.inter_token.observe(interval)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_completion_tokens)
-        self.observe_prefix_cache(
-            stats.tenant_id or DEFAULT_TENANT, stats.num_prompt_tokens, stats.num_cached_tokens
-        )
+        if stats.result_cache != "hit":  # a replay reports its whole prompt cached: no prefix-cache hit
+            self.observe_prefix_cache(
+                stats.tenant_id or DEFAULT_TENANT, stats.num_prompt_tokens, stats.num_cached_tokens
+            )
 
     def observe_prefix_cache(self, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """One request's prefix-cache use, from its usage. `observe_request` calls it for every finished

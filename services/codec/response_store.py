@@ -194,6 +194,10 @@ local total = redis.call('INCRBY', KEYS[3], string.len(ARGV[2]))
 local dropped = 0
 while redis.call('ZCARD', KEYS[2]) > max_n or total > max_bytes do
   local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not oldest then  -- the total outlived its index (an LRU Redis evicts keys one by one): start over
+    redis.call('SET', KEYS[3], 0)
+    break
+  end
   drop(oldest)
   dropped = dropped + 1
   total = tonumber(redis.call('GET', KEYS[3]) or '0')

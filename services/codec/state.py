@@ -88,7 +88,7 @@ class CodecState:
             metrics,
             step_timeout_s=config.limits.step_timeout_ms / 1000.0,
             on_step_timeout=limits_metrics.step_timeouts.inc,
-            results=ResultCache.from_config(config, metrics.registry, os.environ),
+            results=ResultCache.from_config(config, metrics.result_cache, os.environ),
         )
         return cls(
             identity=identity,

@@ -71,10 +71,9 @@ def test_workers_store_and_read_segments_in_the_rendered_cache_redis(
 async def test_the_codec_keeps_results_in_the_rendered_cache_redis(
     cache_redis: tuple[list[dict], int, Path, str],
 ) -> None:
-    from prometheus_client import CollectorRegistry
-
     from services.codec.backend.protocol import TokenDelta
     from services.codec.backend.results import ResultCache
+    from services.codec.metrics import CodecMetrics
     from services.common.config import KV_TIERS_PASSWORD_ENV, load_config
     from services.common.outputs import FinishReason
 
@@ -94,7 +93,7 @@ async def test_the_codec_keeps_results_in_the_rendered_cache_redis(
     }
     config = load_config(None, env=overrides)
     delta = TokenDelta(0, [5, 6], [], FinishReason.STOP, 3, 0)
-    cache = ResultCache.from_config(config, CollectorRegistry(), {KV_TIERS_PASSWORD_ENV: password})
+    cache = ResultCache.from_config(config, CodecMetrics().result_cache, {KV_TIERS_PASSWORD_ENV: password})
     assert cache is not None and cache.admits("anyone")
     cache.store_later("ab" * 32, "t", [delta])
     await cache.drain()
@@ -102,7 +101,7 @@ async def test_the_codec_keeps_results_in_the_rendered_cache_redis(
     got = await cache.lookup("ab" * 32, "t")
     assert got is not None and got[0].token_ids == [5, 6] and got[0].num_cached_tokens == 3
     await cache.aclose()
-    wrong = ResultCache.from_config(config, CollectorRegistry(), {KV_TIERS_PASSWORD_ENV: "wrong"})
+    wrong = ResultCache.from_config(config, CodecMetrics().result_cache, {KV_TIERS_PASSWORD_ENV: "wrong"})
     assert wrong is not None and await wrong.lookup("ab" * 32, "t") is None  # refused: a miss
     assert wrong.metrics.errors.labels(operation="get")._value.get() == 1
     await wrong.aclose()

@@ -15,10 +15,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletionMessageParam
 
+from services.codec.backend.protocol import TokenDelta
+from services.codec.backend.results import ResultCache
+from services.codec.metrics import CodecMetrics
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig, QuotasConfig, ResultCacheConfig, TenantQuota
+from services.common.outputs import FinishReason
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
 from tests.kv_helpers import cache_redis_url
 from tests.ports import free_port
@@ -238,3 +243,26 @@ async def test_the_public_grpc_api_asks_with_metadata_and_reads_the_outcome_in_t
                 await results.drain()
         assert outcomes == ["miss", "hit"] and answers[0] == answers[1] == {0: " Paris."}
         assert len(api.fake.seen) == 1
+
+
+async def test_a_tenant_index_evicted_by_the_lru_never_breaks_later_writes(redis_url: str) -> None:
+    """The shared tier's Redis evicts keys one by one (allkeys-lru): a tenant's index and sizes may go while
+    its byte total stays above the cap. The next write starts the tenant's bookkeeping over, never fails."""
+    prefix = f"t-{uuid.uuid4().hex}:"
+    settings = {"url": redis_url, "tenants": ["*"], "key_prefix": prefix, "timeout_ms": 10_000}
+    config = KvrelayConfig(result_cache=ResultCacheConfig(**settings, tenant_capacity_mb=1))
+    cache = ResultCache.from_config(config, CodecMetrics().result_cache, {})
+    assert cache is not None
+    delta = TokenDelta(0, [7, 8, 9], [], FinishReason.STOP, 4, 0)
+    cache.store_later("0" * 64, "t", [delta])
+    await cache.drain()
+    client = aioredis.Redis.from_url(redis_url)
+    await client.delete(f"{prefix}t:index", f"{prefix}t:sizes")  # evicted; ":bytes" kept
+    await client.set(f"{prefix}t:bytes", 10 * 2**20)  # over the cap: the next write must drop
+    for key in ("1" * 64, "2" * 64):
+        cache.store_later(key, "t", [delta])
+        await cache.drain()
+    assert cache.metrics.errors.labels(operation="put")._value.get() == 0
+    assert await cache.lookup("2" * 64, "t") is not None
+    await client.aclose()
+    await cache.aclose()

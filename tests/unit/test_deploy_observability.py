@@ -306,7 +306,8 @@ def scrape_codec_with_quotas(model_dir: Path, tokenizer: Tokenizer, keys_dir: Pa
 
 
 def scrape_codec_with_quota_store_down(model_dir: Path, tokenizer: Tokenizer) -> str:
-    """Quotas in a Redis nobody listens on, failing open: the request is served and the error counted."""
+    """Quotas and the exact-result cache in a Redis nobody listens on, failing open: the request (asking
+    for the result cache) is served, a miss, and the errors counted."""
     config = KvrelayConfig.model_validate(
         {
             "quotas": {
@@ -314,12 +315,15 @@ def scrape_codec_with_quota_store_down(model_dir: Path, tokenizer: Tokenizer) ->
                 "redis_url": "redis://127.0.0.1:1/0",
                 "fail_open": True,
                 "default_requests_per_minute": 5,
-            }
+            },
+            "result_cache": {"url": "redis://127.0.0.1:1/0", "tenants": ["*"]},
         }
     )
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 8}
+    use = {"x-kvrelay-result-cache": "use"}
     with codec_server(model_dir, tokenizer, config) as url, httpx.Client(base_url=url, timeout=30) as client:
-        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        reply = client.post("/v1/chat/completions", json={**chat, "temperature": 0}, headers=use)
+        assert reply.status_code == 200 and reply.headers["x-kvrelay-result-cache"] == "miss"
         return client.get("/metrics").text
 
 

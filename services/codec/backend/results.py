@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter
 from redis.exceptions import RedisError
 
 from services.codec.backend.protocol import TokenDelta
+from services.codec.metrics import ResultCacheMetrics
 from services.codec.response_store import PUT_SCRIPT
 from services.common.config import KV_TIERS_PASSWORD_ENV, KvrelayConfig
 from services.common.outputs import FinishReason, TokenLogprob
@@ -47,28 +47,6 @@ MAX_ENTRIES_PER_TENANT = 1_000_000  # the byte cap binds first
 def is_replayable(sampling: SamplingParams) -> bool:
     """Greedy or seeded: the same request computes the same tokens on the same numerics."""
     return sampling.temperature == 0.0 or sampling.seed is not None
-
-
-class ResultCacheMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.lookups = Counter(
-            "kvrelay_codec_result_cache_lookups_total",
-            "Exact-result cache lookups by tenant and outcome (hit, miss).",
-            ["tenant", "outcome"],
-            registry=registry,
-        )
-        self.bytes = Counter(
-            "kvrelay_codec_result_cache_bytes_total",
-            "Bytes of results read from (hit) or written to (stored) the exact-result cache, by tenant.",
-            ["tenant", "direction"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "kvrelay_codec_result_cache_errors_total",
-            "Exact-result cache calls that failed or timed out (get: served as a miss; put: not stored).",
-            ["operation"],
-            registry=registry,
-        )
 
 
 class ResultCache:
@@ -97,7 +75,7 @@ class ResultCache:
 
     @classmethod
     def from_config(
-        cls, config: KvrelayConfig, registry: CollectorRegistry, environ: Mapping[str, str]
+        cls, config: KvrelayConfig, metrics: ResultCacheMetrics, environ: Mapping[str, str]
     ) -> ResultCache | None:
         """The cache `result_cache` describes, or None (off). In the shared KV tier's Redis (no url of its
         own) it signs in with that tier's password (KVRELAY_KV_TIERS_PASSWORD), as the workers do."""
@@ -112,7 +90,7 @@ class ResultCache:
         )
         return cls(
             client,
-            ResultCacheMetrics(registry),
+            metrics,
             tenants=settings.tenants,
             ttl_s=settings.ttl_s,
             max_entry_bytes=settings.max_entry_bytes,

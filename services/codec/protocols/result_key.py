@@ -7,8 +7,9 @@ way, so the key covers everything that decides either, and nothing else:
   strings the codec cuts the text at;
 - how the codec reads the output (`OutputPlan`): the tools and their call format, the reasoning parser's
   settings, the constraint;
-- the numerics fingerprint of the workers (model, weights, kernel build, mode), so a result computed by
-  other numerics is never replayed.
+- the numerics fingerprint of the workers (the served model fingerprint and the mode; under
+  engine.deterministic it names the kernel build and threads too), so a result computed by other numerics
+  is never replayed in that mode.
 
 Fields that cannot change the output are left out by name, each with its reason (`EXCLUDED`); a test walks
 every field of these types and fails on one that neither changes the key nor is listed, so a field added
