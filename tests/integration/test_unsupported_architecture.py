@@ -1,6 +1,7 @@
 """A model directory whose config.json names an architecture the engine has no family for is refused with
 the documented ModelLoadError (docs/models.md, Errors) that names it and lists the known ones: from the
-loader, and from `kvrelay worker`, which exits with the config-error code instead of crashing."""
+loader, from `kvrelay worker`, which exits with the config-error code instead of crashing, and from
+`kvrelay models prepare --from-dir`, before it writes anything."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 from services.common.errors import CONFIG_EXIT_CODE, ModelLoadError
 from services.common.manifest import compute_manifest, write_manifest
 from services.engine.loading.loader import load_model
+from services.engine.loading.prepare import prepare_from_dir
 from tests.stack_helpers import REPO_ROOT, free_port, stack_env
 from tests.tiny_model import make_tiny_llama
+from tests.tiny_t5 import make_tiny_t5
 
 KNOWN = "Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
 REFUSAL = f"architecture 'MambaForCausalLM' is not supported (known: {KNOWN})"
@@ -58,3 +61,24 @@ def test_a_worker_on_an_unknown_architecture_exits_with_the_config_error_code(ma
     assert done.returncode == CONFIG_EXIT_CODE, done.stderr[-2000:]
     assert f"kvrelay: ModelLoadError: {REFUSAL}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_prepare_refuses_an_architecture_it_cannot_serve_before_writing(
+    mamba_dir: Path, tmp_path: Path
+) -> None:
+    """`kvrelay models prepare --from-dir` refuses what the loader would, with its message and the config
+    error's exit code, and writes nothing: a T5 directory too, until the engine serves the family."""
+    t5_dir, _ = make_tiny_t5(tmp_path / "t5-src")
+    for source, name in ((mamba_dir, "MambaForCausalLM"), (t5_dir, "T5ForConditionalGeneration")):
+        out = tmp_path / f"{name}-out"
+        with pytest.raises(ModelLoadError) as refused:
+            prepare_from_dir(source, out)
+        assert str(refused.value) == REFUSAL.replace("MambaForCausalLM", name)
+        assert not out.exists()
+    done = subprocess.run(
+        [str(REPO_ROOT / ".venv/bin/kvrelay"), "models", "prepare", "--from-dir", str(t5_dir)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == CONFIG_EXIT_CODE, done.stderr[-2000:]
+    assert "architecture 'T5ForConditionalGeneration' is not supported" in done.stderr
+    assert not (t5_dir / "manifest.json").exists()

@@ -392,12 +392,23 @@ def _build_tokenizer_json(src: Path, dest: Path) -> None:
     tokenizer.save_pretrained(str(dest))
 
 
+def _check_architecture(src: Path) -> None:
+    """Refuse at prepare, not at load, a directory whose architecture no family serves."""
+    from services.engine.models.registry import check_architecture
+
+    architectures = _read_json(src / CONFIG_NAME).get("architectures") or [""]
+    check_architecture(str(architectures[0]))
+
+
 def prepare_from_dir(
     src_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, force: bool = False
 ) -> Manifest:
-    """Prepare an HF-style directory: copy it to `out_dir`, or with None write the manifest in place."""
+    """Prepare an HF-style directory: copy it to `out_dir`, or with None write the manifest in place. A
+    directory whose architecture the engine cannot serve is refused (ModelLoadError) before anything is
+    written."""
     src = Path(src_dir)
     _check_source_dir(src)
+    _check_architecture(src)
     source = {"kind": "dir", "dir": str(src.resolve())}
     if out_dir is None or Path(out_dir).resolve() == src.resolve():
         existing = _already_prepared(src, force)

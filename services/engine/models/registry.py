@@ -41,6 +41,13 @@ _FAMILIES: dict[str, type] = {
 }
 
 
+def check_architecture(architecture: str) -> None:
+    """A ModelLoadError naming `architecture` and the known ones, unless a family serves it."""
+    if architecture not in _FAMILIES:
+        known = ", ".join(sorted(_FAMILIES))
+        raise ModelLoadError(f"architecture {architecture!r} is not supported (known: {known})")
+
+
 def build_model(
     config: ModelConfig,
     weights: Mapping[str, torch.Tensor],
@@ -56,10 +63,8 @@ def build_model(
     names for KV blocks of `block_size` (attention_backend.py). The C kernels run only under `auto`.
     `int8_activations`, `unpacked_dtype` and `small_step_max_tokens` are the Llama-family options of the
     same names (models/llama.py); a family without them refuses them."""
-    family = _FAMILIES.get(config.architecture)
-    if family is None:
-        known = ", ".join(sorted(_FAMILIES))
-        raise ModelLoadError(f"architecture {config.architecture!r} is not supported (known: {known})")
+    check_architecture(config.architecture)
+    family = _FAMILIES[config.architecture]
     tensors = [w for w in weights.values() if isinstance(w, torch.Tensor)]  # GGUF blocks live on the CPU
     device = tensors[0].device if tensors else torch.device("cpu")
     paged = choose_attention(attention, config, dtype, device, block_size)
