@@ -196,11 +196,11 @@ class T5Model:
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.float().pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(variance + self.config.layer_norm_epsilon)).to(x.dtype)
 
-    def _feed_forward(self, ff: _FeedForward, x: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, ff: _FeedForward, x: torch.Tensor) -> torch.Tensor:
         if ff.wi_linear is None:
             return F.relu(x @ ff.wi.T) @ ff.wo.T
         gelu = F.gelu(x @ ff.wi.T, approximate="tanh")
@@ -222,7 +222,7 @@ class T5Model:
         out = (probs @ v).transpose(0, 1).reshape(q.shape[1], self.config.inner_dim)  # [T, inner]
         return out @ attn.o.T
 
-    def _position_bias(
+    def position_bias(
         self,
         table: torch.Tensor,
         query_positions: torch.Tensor,
@@ -249,14 +249,14 @@ class T5Model:
         """The encoder output [S, d_model] of one source [S] (ending with EOS, as T5's tokenizer makes it)."""
         h = F.embedding(token_ids, self.embed)  # [S, d_model]
         positions = torch.arange(token_ids.shape[0], device=self.device)
-        bias = self._position_bias(self.encoder_bias, positions, positions, bidirectional=True)
+        bias = self.position_bias(self.encoder_bias, positions, positions, bidirectional=True)
         for layer in self.encoder:
-            x = self._norm(h, layer.self_norm)
+            x = self.norm(h, layer.self_norm)
             a = layer.self_attn
             q, k, v = (self._heads(x @ w.T) for w in (a.q, a.k, a.v))
             h = h + self._attend(a, q, k, v, bias)
-            h = h + self._feed_forward(layer.ff, self._norm(h, layer.ff_norm))
-        return self._norm(h, self.encoder_norm)
+            h = h + self.feed_forward(layer.ff, self.norm(h, layer.ff_norm))
+        return self.norm(h, self.encoder_norm)
 
     # -- the decoder ------------------------------------------------------------------------------------
 
@@ -277,11 +277,11 @@ class T5Model:
         start = cache.num_tokens
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)
         keys = torch.arange(start + token_ids.shape[0], device=self.device)
-        bias = self._position_bias(self.decoder_bias, positions, keys, bidirectional=False)
+        bias = self.position_bias(self.decoder_bias, positions, keys, bidirectional=False)
         h = F.embedding(token_ids, self.embed)  # [T, d_model]
         grown = []
         for i, layer in enumerate(self.decoder):
-            x = self._norm(h, layer.self_norm)
+            x = self.norm(h, layer.self_norm)
             a = layer.self_attn
             q, k, v = (self._heads(x @ w.T) for w in (a.q, a.k, a.v))
             if cache.self_kv:
@@ -291,11 +291,11 @@ class T5Model:
             h = h + self._attend(a, q, k, v, bias)
             cross, cross_kv = layer.cross_attn, cache.cross[i]
             assert cross is not None and layer.cross_norm is not None
-            q = self._heads(self._norm(h, layer.cross_norm) @ cross.q.T)
+            q = self._heads(self.norm(h, layer.cross_norm) @ cross.q.T)
             h = h + self._attend(cross, q, cross_kv[0], cross_kv[1], None)
-            h = h + self._feed_forward(layer.ff, self._norm(h, layer.ff_norm))
+            h = h + self.feed_forward(layer.ff, self.norm(h, layer.ff_norm))
         cache.self_kv = grown
-        h = self._norm(h, self.decoder_norm)
+        h = self.norm(h, self.decoder_norm)
         if self.config.scale_decoder_output:
             h = h * self.config.d_model**-0.5
         return (h @ self.lm_head.T).float()
