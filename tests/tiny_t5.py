@@ -19,15 +19,16 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 BYTE_OFFSET = 3  # ByT5: pad 0, EOS 1, unk 2, then byte b is b + 3
 VOCAB_SIZE = 256 + BYTE_OFFSET
 
-# The tiny T5's shape: 2 + 2 layers, 4 heads of 8; initializer_factor raised (1.5) so the logits are not flat.
+# The tiny T5's shape: 3 encoder and 2 decoder layers, 3 heads of 8 (heads x d_kv is not d_model, as in
+# no real T5 either, so neither mix-up can pass); initializer_factor raised (1.5) so the logits are not flat.
 TINY_T5: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "d_model": 32,
     "d_kv": 8,
     "d_ff": 64,
-    "num_layers": 2,
+    "num_layers": 3,
     "num_decoder_layers": 2,
-    "num_heads": 4,
+    "num_heads": 3,
     "relative_attention_num_buckets": 8,
     "relative_attention_max_distance": 20,
     "decoder_start_token_id": 0,
@@ -75,9 +76,14 @@ def _byte_chars() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def make_tiny_t5(path: Path, *, gated: bool = False, tied: bool = True, seed: int = 0) -> tuple[Path, Any]:
+def make_tiny_t5(
+    path: Path, *, gated: bool = False, tied: bool = True, seed: int = 0, saved_by_transformers5: bool = False
+) -> tuple[Path, Any]:
     """A tiny random T5 (ReLU or gated GELU, tied or untied head) written to `path`; its transformers
-    model, in eval mode, for reference."""
+    model, in eval mode, for reference. As the hub's checkpoints were saved (config.json's
+    tie_word_embeddings says which, a tied head is not stored), or `saved_by_transformers5`: every table
+    stored (the stacks' embeddings, the head even when it is the embeddings), tie_word_embeddings always
+    true and scale_decoder_outputs saying what the head does."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     path.mkdir(parents=True, exist_ok=True)
@@ -89,12 +95,18 @@ def make_tiny_t5(path: Path, *, gated: bool = False, tied: bool = True, seed: in
         head = torch.randn_like(model.shared.weight) * model.shared.weight.std() * config.d_model**-0.5
         model.lm_head.weight = torch.nn.Parameter(head)
     state = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
-    state = {n: t for n, t in state.items() if not n.endswith("embed_tokens.weight")}  # they are `shared`
-    if tied:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(path / "model.safetensors"))
     raw = {**TINY_T5, "architectures": ["T5ForConditionalGeneration"], "model_type": "t5"}
     raw |= {"feed_forward_proj": proj, "tie_word_embeddings": tied, "is_encoder_decoder": True}
+    if saved_by_transformers5:
+        for stack in ("encoder", "decoder"):
+            state[f"{stack}.embed_tokens.weight"] = state["shared.weight"].clone()
+        state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+        raw |= {"tie_word_embeddings": True, "scale_decoder_outputs": tied}
+    else:
+        state = {n: t for n, t in state.items() if not n.endswith("embed_tokens.weight")}  # they are `shared`
+        if tied:
+            state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(raw, indent=1))
     byte_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))

@@ -13,21 +13,31 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.errors import ConfigError, ModelLoadError
+from services.common.errors import ConfigError, CorruptModelError, ModelLoadError
 from services.engine.models.t5 import T5Config, T5Model, relative_position_bucket
 from tests.tiny_t5 import byte_tokenizer, make_tiny_t5
 
-VARIANTS = {"relu-tied": (False, True), "gated-untied": (True, False), "gated-tied": (True, True)}
+# name: (gated, tied, saved by transformers 5: every table stored, tie_word_embeddings always true)
+VARIANTS = {
+    "relu-tied": (False, True, False),
+    "gated-untied": (True, False, False),
+    "gated-tied": (True, True, False),
+    "gated-untied-transformers5": (True, False, True),
+}
 NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[T5Model, Any]:
-    gated, tied = VARIANTS[request.param]
-    path, reference = make_tiny_t5(tmp_path_factory.mktemp(request.param), gated=gated, tied=tied)
+    gated, tied, transformers5 = VARIANTS[request.param]
+    path, reference = make_tiny_t5(
+        tmp_path_factory.mktemp(request.param), gated=gated, tied=tied, saved_by_transformers5=transformers5
+    )
     config = T5Config.from_dict(json.loads((path / "config.json").read_text()))
-    assert (config.is_gated, config.tie_word_embeddings, config.scale_decoder_output) == (gated, tied, tied)
-    return T5Model(config, load_file(str(path / "model.safetensors")), torch.float32), reference
+    assert (config.is_gated, config.scale_decoder_output) == (gated, tied)
+    model = T5Model(config, load_file(str(path / "model.safetensors")), torch.float32)
+    assert (model.lm_head is model.embed) == tied
+    return model, reference
 
 
 def source(length: int, seed: int) -> torch.Tensor:
@@ -102,6 +112,26 @@ def test_fp16_an_unknown_feed_forward_and_stray_weights_are_refused(tmp_path: Pa
         T5Config.from_dict({**raw, "feed_forward_proj": "gated-silu"})
     with pytest.raises(ModelLoadError, match=r"does not use these weights: encoder\.extra"):
         T5Model(config, {**weights, "encoder.extra": torch.zeros(1)}, torch.float32)
+
+
+def test_checkpoint_forms_real_ones_take(tmp_path: Path) -> None:
+    """A table only under the stacks' names (some checkpoints have no `shared`), the cross-attention bias
+    table old t5-small and t5-base checkpoints carry (no T5 uses it), and a config without
+    tie_word_embeddings (T5 v1.0: tied, scaled) load; stacks whose tables differ are refused."""
+    path, reference = make_tiny_t5(tmp_path / "t5", saved_by_transformers5=True)
+    raw = json.loads((path / "config.json").read_text())
+    weights = load_file(str(path / "model.safetensors"))
+    shared = weights.pop("shared.weight")
+    weights["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = torch.zeros(8, 3)
+    del raw["tie_word_embeddings"], raw["scale_decoder_outputs"]
+    model = T5Model(T5Config.from_dict(raw), weights, torch.float32)
+    src, target = source(9, seed=4), torch.tensor([0, 50, 60, 70])
+    with torch.no_grad():
+        want = reference(input_ids=src[None], decoder_input_ids=target[None]).logits[0]
+    torch.testing.assert_close(model.decode(target, model.start(model.encode(src))), want, atol=1e-4, rtol=0)
+    weights["decoder.embed_tokens.weight"] = shared + 1
+    with pytest.raises(CorruptModelError, match="embedding tables differ"):
+        T5Model(T5Config.from_dict(raw), weights, torch.float32)
 
 
 def test_the_byte_tokenizer_is_byt5s() -> None:

@@ -396,7 +396,9 @@ def _check_architecture(src: Path) -> None:
     """Refuse at prepare, not at load, a directory whose architecture no family serves."""
     from services.engine.models.registry import check_architecture
 
-    architectures = _read_json(src / CONFIG_NAME).get("architectures") or [""]
+    architectures = _read_json(src / CONFIG_NAME).get("architectures")
+    if not architectures:
+        raise ModelLoadError("config.json names no architecture (`architectures` is empty)")
     check_architecture(str(architectures[0]))
 
 

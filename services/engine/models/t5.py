@@ -8,7 +8,10 @@ The math is the Hugging Face reference's, written over our own tensors:
   ones in the decoder's self-attention, none in cross-attention;
 - RMSNorm without mean or bias (the variance in fp32);
 - the feed-forward is ReLU (T5) or gated GELU with the tanh approximation (v1.1, Flan-T5: "gated-gelu");
-- a tied LM head (T5 v1.0) multiplies the decoder's output by d_model^-0.5 first; an untied one does not.
+- the decoder's output is scaled by d_model^-0.5 before the LM head where the config ties the head (T5
+  v1.0; `tie_word_embeddings` absent counts as tied) or says `scale_decoder_outputs` (transformers 5, which
+  writes `tie_word_embeddings: true` for every T5 and keeps the old rule there); the head is the
+  checkpoint's `lm_head.weight` where it differs from the embeddings, else the embeddings.
 
 fp16 is refused: T5 v1.1 activations overflow it. The decoder works on one sequence at a time here, over
 a KV cache the caller keeps (`DecoderCache`): the engine's paged cache and batching come on top (issue 51).
@@ -43,7 +46,7 @@ class T5Config:
     max_distance: int  # relative_attention_max_distance
     is_gated: bool
     layer_norm_epsilon: float
-    tie_word_embeddings: bool  # the LM head is the embedding table
+    tie_word_embeddings: bool  # what config.json says; the head itself follows the weights (T5Model)
     scale_decoder_output: bool  # multiply by d_model^-0.5 before the LM head (a tied head's rule)
     decoder_start_token_id: int
     eos_token_ids: tuple[int, ...]
@@ -57,7 +60,7 @@ class T5Config:
             known = ", ".join(FEED_FORWARD)
             raise ModelLoadError(f"T5 feed_forward_proj {proj!r} is not supported (known: {known})")
         try:
-            tie = bool(raw.get("tie_word_embeddings", True))
+            tie = raw.get("tie_word_embeddings") is not False  # absent: tied (T5 v1.0)
             eos = raw.get("eos_token_id", 1)
             num_layers = int(raw["num_layers"])
             return cls(
@@ -102,6 +105,22 @@ def relative_position_bucket(
     scaled = torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
     large = (max_exact + (scaled * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return buckets + torch.where(distance < max_exact, distance, large)
+
+
+# A bias table old checkpoints (t5-small, t5-base) keep for cross-attention, which no T5 uses.
+_CROSS_BIAS = "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"
+# The input embeddings: `shared`, which the stacks' tables repeat (some checkpoints keep only those).
+_EMBED_NAMES = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+def _embedding(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The one embedding table: `shared`, else a stack's; stacks whose tables differ are refused."""
+    tables = [weights[name] for name in _EMBED_NAMES if name in weights]
+    if not tables:
+        raise CorruptModelError("weight 'shared.weight' is missing from the model's weights")
+    if any(not torch.equal(table, tables[0]) for table in tables[1:]):
+        raise CorruptModelError("the encoder's and decoder's embedding tables differ: T5 shares one")
+    return tables[0].contiguous()
 
 
 @dataclass
@@ -155,9 +174,15 @@ class T5Model:
             used.add(name)
             return weights[name].to(dtype).contiguous()
 
-        self.embed = take("shared.weight")  # [vocab, d_model]
-        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
-        used |= {f"{stack}.embed_tokens.weight" for stack in ("encoder", "decoder")} | {"lm_head.weight"}
+        table, head = _embedding(weights), weights.get("lm_head.weight")
+        self.embed = table.to(dtype)  # [vocab, d_model]
+        # The checkpoint's own head where it differs from the embeddings, whatever the config says
+        # (transformers 5 writes tie_word_embeddings: true for every T5); else the embeddings.
+        untied = head is not None and not torch.equal(head, table)
+        self.lm_head = take("lm_head.weight") if untied else self.embed
+        # The embeddings under their other names, a head equal to them, and the cross-attention bias table
+        # old checkpoints carry (t5-small, t5-base) that no T5 uses.
+        used |= {*_EMBED_NAMES, "lm_head.weight", _CROSS_BIAS}
         self.encoder = [
             self._layer(take, f"encoder.block.{i}.layer.", False) for i in range(config.num_layers)
         ]

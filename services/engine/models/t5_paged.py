@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.layers.attention import write_kv
-from services.engine.layers.attention_metadata import AttentionMetadata, slots_of
+from services.engine.layers.attention_metadata import AttentionMetadata, slots_of, to_device
 from services.engine.models.t5 import T5Model
 
 
@@ -55,7 +55,7 @@ def write_cross_kv(
 ) -> None:
     """Every decoder layer's cross-attention keys and values of one encoder output [S, d_model] into the
     row's cross blocks."""
-    slots = torch.tensor(slots_of(row.block_ids, 0, row.num_tokens, block_size), device=encoder_output.device)
+    slots = to_device(slots_of(row.block_ids, 0, row.num_tokens, block_size), encoder_output.device)
     heads, d_kv = model.config.num_heads, model.config.d_kv
     for layer, cache in zip(model.decoder, kv_caches, strict=True):
         attn = layer.cross_attn
@@ -107,10 +107,8 @@ def _rows(model: T5Model, meta: AttentionMetadata, cross: Sequence[CrossRow]) ->
         bias = model.position_bias(model.decoder_bias, queries, keys, bidirectional=False)
         self_slots = slots_of(spec.block_ids, 0, context, meta.block_size)
         cross_slots = slots_of(row_cross.block_ids, 0, row_cross.num_tokens, meta.block_size)
-        self_tensor = torch.tensor(self_slots, device=device)
-        rows.append(
-            _Row(first, spec.num_new_tokens, self_tensor, bias, torch.tensor(cross_slots, device=device))
-        )
+        self_tensor, cross_tensor = to_device(self_slots, device), to_device(cross_slots, device)
+        rows.append(_Row(first, spec.num_new_tokens, self_tensor, bias, cross_tensor))
         first += spec.num_new_tokens
     return rows
 
