@@ -51,6 +51,8 @@ class EngineInput:
     priority: int = 0
     cache_salt: bytes = b""
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # An encoder-decoder model's encoder input (prompt_token_ids are then the decoder's first tokens).
+    encoder_token_ids: tuple[int, ...] = ()
 
 
 def check_request(
@@ -62,6 +64,7 @@ def check_request(
     priority: int = 0,
     cache_salt: bytes = b"",
     cache_breakpoints: Sequence[CacheBreakpoint] = (),
+    encoder_token_ids: Sequence[int] = (),
 ) -> EngineInput:
     """The request's values, each checked; InvalidRequestError (a 400, INVALID_ARGUMENT) names the first
     one out of range."""
@@ -72,7 +75,8 @@ def check_request(
         message = f"cache_salt holds {len(cache_salt)} bytes; the limit is {MAX_CACHE_SALT_BYTES}"
         raise InvalidRequestError(message, param="cache_salt")
     breakpoints = check_cache_breakpoints(cache_breakpoints, len(prompt))
-    return EngineInput(request_id, prompt, params, priority, bytes(cache_salt), breakpoints)
+    source = tuple(check_prompt(encoder_token_ids, vocab_size)) if encoder_token_ids else ()
+    return EngineInput(request_id, prompt, params, priority, bytes(cache_salt), breakpoints, source)
 
 
 def cache_written_tokens(
@@ -143,3 +147,23 @@ def check_unique(request_id: str, live: Container[str]) -> None:
     (the router's and the worker's in-flight sets, AsyncEngine's open streams)."""
     if request_id in live:
         raise DuplicateRequestError(f"request {request_id!r} is already in flight")
+
+
+def check_encoder_input(encoder_token_ids: Sequence[int], is_encoder_decoder: bool, max_len: int) -> None:
+    """An encoder-decoder model needs an encoder input of 1 to `max_len` tokens (its source is never
+    chunked, and its positions end there); a decoder-only model takes none. InvalidRequestError (400)."""
+    if not is_encoder_decoder:
+        if encoder_token_ids:
+            raise InvalidRequestError(
+                "this model is decoder-only: it takes no encoder input", param="encoder_token_ids"
+            )
+        return
+    if not encoder_token_ids:
+        raise InvalidRequestError(
+            "this model is an encoder-decoder: a request needs a non-empty encoder input", param="prompt"
+        )
+    if len(encoder_token_ids) > max_len:
+        raise InvalidRequestError(
+            f"the encoder input holds {len(encoder_token_ids)} tokens; this model reads at most {max_len}",
+            param="prompt",
+        )

@@ -17,6 +17,7 @@ The core is handed its parts (a scheduler over a KV cache manager and block pool
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from services.common.block_hash import BlockHasher, root_hash
-from services.common.engine_input import CacheBreakpoint, EngineInput, cache_written_tokens, check_request
+from services.common.engine_input import (
+    CacheBreakpoint,
+    EngineInput,
+    cache_written_tokens,
+    check_encoder_input,
+    check_request,
+)
 from services.common.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -200,9 +207,11 @@ class EngineCore:
         priority: int = 0,
         cache_salt: bytes = b"",
         cache_breakpoints: Sequence[CacheBreakpoint] = (),
+        encoder_token_ids: Sequence[int] = (),
     ) -> EngineInput:
         """The library's one check of a request's values (engine_input.check_request) against this model's
-        vocabulary, and of its ID against the requests live here. Allocates nothing."""
+        vocabulary, and of its ID against the requests live here. Allocates nothing. An encoder-decoder
+        model takes an encoder input of 1 to max_model_len tokens; a decoder-only one takes none."""
         request = check_request(
             request_id,
             prompt_token_ids,
@@ -211,6 +220,10 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt,
             cache_breakpoints=cache_breakpoints,
+            encoder_token_ids=encoder_token_ids,
+        )
+        check_encoder_input(
+            request.encoder_token_ids, self.model_config.is_encoder_decoder, self.max_model_len
         )
         if self.scheduler.live_samples(request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already running")
@@ -227,6 +240,7 @@ class EngineCore:
         cache_breakpoints: Sequence[CacheBreakpoint] = (),
         arrival_time: float | None = None,
         export_kv_from: int | None = None,
+        encoder_token_ids: Sequence[int] = (),
     ) -> None:
         """Check a request (`check`) and queue it (`add`): the entry for callers that hold raw values."""
         request = self.check(
@@ -236,6 +250,7 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt,
             cache_breakpoints=cache_breakpoints,
+            encoder_token_ids=encoder_token_ids,
         )
         self.add(request, arrival_time=arrival_time, export_kv_from=export_kv_from)
 
@@ -275,7 +290,7 @@ class EngineCore:
                     sample_index=index,
                     prompt_token_ids=list(prompt),
                     params=sample_params,
-                    block_hasher=BlockHasher(self.root_hash, self.block_size, request.cache_salt),
+                    block_hasher=BlockHasher(self.root_hash, self.block_size, _salt(request)),
                     eos_token_ids=self.eos_token_ids,
                     priority=request.priority,
                     arrival_time=arrival,
@@ -284,6 +299,7 @@ class EngineCore:
                     matcher=matchers[index],
                     cache_salt=request.cache_salt,
                     cache_breakpoints=request.cache_breakpoints,
+                    encoder_token_ids=list(request.encoder_token_ids),
                 )
             )
         return samples
@@ -545,6 +561,16 @@ class EngineCore:
     def check_invariants(self) -> None:
         """Raise if any block's references disagree with what the live requests hold."""
         self.pool.check_invariants(self.scheduler.held_block_refs())
+
+
+def _salt(request: EngineInput) -> bytes:
+    """The block hashes' salt: the tenant's, and for an encoder-decoder request a digest of its encoder
+    input too. Every decoder starts from the same token, so its KV is the same only under the same input:
+    with the input in every hash, decoder prefixes are shared only between requests that share it."""
+    if not request.encoder_token_ids:
+        return request.cache_salt
+    source = b"".join(t.to_bytes(4, "little") for t in request.encoder_token_ids)
+    return request.cache_salt + b"\x00encoder:" + hashlib.sha256(source).digest()
 
 
 def _ended(request: Request, reason: FinishReason) -> RequestOutput:

@@ -97,11 +97,18 @@ class ModelConfig:
             config = dataclasses.replace(config, eos_token_ids=merged)
         return config
 
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """An encoder reads the request's input once; the engine's sequences are the decoder's."""
+        return self.architecture in ENCODER_DECODER_ARCHITECTURES
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         architectures = raw.get("architectures") or []
         if not architectures:
             raise ModelLoadError("config.json names no architecture (`architectures` is empty)")
+        if str(architectures[0]) in ENCODER_DECODER_ARCHITECTURES:
+            return _encoder_decoder(raw, str(architectures[0]))
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -267,3 +274,36 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     if weight and weight_all:
         return mscale(float(weight)) / mscale(float(weight_all))
     return mscale(1.0)
+
+
+# Encoder-decoder families: what the engine's paged cache and scheduler see is the decoder (issue 51).
+ENCODER_DECODER_ARCHITECTURES = ("T5ForConditionalGeneration",)
+DEFAULT_T5_POSITIONS = 512  # n_positions: T5's positions are relative; the length it was trained for
+
+
+def _encoder_decoder(raw: dict[str, Any], architecture: str) -> ModelConfig:
+    """The decoder's shape as the engine sees it (layers, heads, KV head size: its cache), from a T5
+    config.json; max_position_embeddings bounds both the source and the decoder sequence."""
+    try:
+        num_heads = int(raw["num_heads"])
+        num_layers = int(raw["num_layers"])
+        start = raw.get("decoder_start_token_id", raw.get("pad_token_id", 0))
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["d_model"]),
+            intermediate_size=int(raw["d_ff"]),
+            num_layers=int(raw.get("num_decoder_layers") or num_layers),
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=int(raw["d_kv"]),
+            rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-6)),
+            rope_theta=0.0,
+            max_position_embeddings=int(raw.get("n_positions") or DEFAULT_T5_POSITIONS),
+            tie_word_embeddings=raw.get("tie_word_embeddings") is not False,
+            bos_token_id=int(start),
+            eos_token_ids=_as_tuple(raw.get("eos_token_id", 1)),
+            raw=raw,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

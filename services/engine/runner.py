@@ -19,6 +19,7 @@ from services.engine.layers.attention_metadata import RowSpec, build_metadata, s
 from services.engine.layers.grammar_mask import GrammarMask
 from services.engine.layers.sampler import DeviceSample, SamplingBatch, SamplingRow, sample_on_device
 from services.engine.models.registry import CausalLM
+from services.engine.models.t5_paged import CrossRow
 from services.engine.runner_protocol import PendingStep, ReadyStep, StepResult
 from services.engine.scheduling.request import Request, SeqId
 from services.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
@@ -111,7 +112,9 @@ class ModelRunner:
         if self._before_forward is not None:
             self._before_forward()
         graphs = self.graphs
-        if graphs is not None and not prefill and graphs.bucket_for(len(decode)) is not None:
+        if getattr(self.model, "is_encoder_decoder", False):  # [num_samples, vocab]
+            logits = self.model.forward(token_tensor, self.kv_caches, meta, indices, self._cross(ordered))  # type: ignore[call-arg]
+        elif graphs is not None and not prefill and graphs.bucket_for(len(decode)) is not None:
             logits = graphs.run(token_tensor, meta)[indices]  # [num_samples, vocab]
         else:
             logits = self.model.forward(token_tensor, self.kv_caches, meta, indices)  # [num_samples, vocab]
@@ -128,6 +131,19 @@ class ModelRunner:
             copied = torch.cuda.Event(blocking=True)
             copied.record(torch.cuda.current_stream(self.device))
         return _PendingSample(host, seq_ids, copied)
+
+    def _cross(self, chunks: list[ScheduledChunk]) -> list[CrossRow]:
+        """Encoder-decoder models: each row's cross KV, encoded first for sequences admitted since their
+        last step (new, or readmitted after a preemption)."""
+        rows = []
+        for chunk in chunks:
+            request = chunk.request
+            row = CrossRow(request.cross_block_ids, len(request.encoder_token_ids))
+            if request.needs_encoding:
+                self.model.encode_into(request.encoder_token_ids, row, self.kv_caches, self.block_size)  # type: ignore[attr-defined]
+                request.needs_encoding = False
+            rows.append(row)
+        return rows
 
     def _fill_placeholders(self, token_tensor: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
         """Write the previous launch's picks (still on the device) over this step's PLACEHOLDER inputs:

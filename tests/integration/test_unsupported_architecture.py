@@ -19,7 +19,7 @@ from tests.stack_helpers import REPO_ROOT, free_port, stack_env
 from tests.tiny_model import make_tiny_llama
 from tests.tiny_t5 import make_tiny_t5
 
-KNOWN = "Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+KNOWN = "Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, T5ForConditionalGeneration"
 REFUSAL = f"architecture 'MambaForCausalLM' is not supported (known: {KNOWN})"
 
 
@@ -67,18 +67,24 @@ def test_prepare_refuses_an_architecture_it_cannot_serve_before_writing(
     mamba_dir: Path, tmp_path: Path
 ) -> None:
     """`kvrelay models prepare --from-dir` refuses what the loader would, with its message and the config
-    error's exit code, and writes nothing: a T5 directory too, until the engine serves the family."""
-    t5_dir, _ = make_tiny_t5(tmp_path / "t5-src")
-    for source, name in ((mamba_dir, "MambaForCausalLM"), (t5_dir, "T5ForConditionalGeneration")):
-        out = tmp_path / f"{name}-out"
-        with pytest.raises(ModelLoadError) as refused:
-            prepare_from_dir(source, out)
-        assert str(refused.value) == REFUSAL.replace("MambaForCausalLM", name)
-        assert not out.exists()
+    error's exit code, and writes nothing; a T5 directory, which the engine serves, it prepares."""
+    out = tmp_path / "mamba-out"
+    with pytest.raises(ModelLoadError) as refused:
+        prepare_from_dir(mamba_dir, out)
+    assert str(refused.value) == REFUSAL
+    assert not out.exists()
+    config = json.loads((mamba_dir / "config.json").read_text())
+    src = tmp_path / "mamba-src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "model.safetensors").write_bytes((mamba_dir / "model.safetensors").read_bytes())
     done = subprocess.run(
-        [str(REPO_ROOT / ".venv/bin/kvrelay"), "models", "prepare", "--from-dir", str(t5_dir)],
+        [str(REPO_ROOT / ".venv/bin/kvrelay"), "models", "prepare", "--from-dir", str(src)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == CONFIG_EXIT_CODE, done.stderr[-2000:]
-    assert "architecture 'T5ForConditionalGeneration' is not supported" in done.stderr
-    assert not (t5_dir / "manifest.json").exists()
+    assert f"kvrelay: ModelLoadError: {REFUSAL}" in done.stderr
+    assert not (src / "manifest.json").exists()
+    t5_dir, _ = make_tiny_t5(tmp_path / "t5-src")
+    manifest = prepare_from_dir(t5_dir, tmp_path / "t5-out")
+    assert manifest.model_fingerprint and (tmp_path / "t5-out" / "manifest.json").is_file()

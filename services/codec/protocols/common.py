@@ -102,7 +102,11 @@ async def admit_and_start(
         await state.gate.quotas.refund(request.state.request_charge)
         raise
     asked = request.headers.get(results.REQUEST_HEADER, "")
-    key = await result_key_if_asked(asked, state, stats, tenant.tenant_id, generation_request, plan)
+    key = (
+        await result_key_if_asked(asked, state, stats, tenant.tenant_id, generation_request, plan)
+        if asked
+        else None
+    )
     # A client that leaves while queued, or while waiting for its first token, is dropped there and then.
     return await unless_client_leaves(
         request.receive,

@@ -180,7 +180,7 @@ def build_core_from_loaded(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     paged = loaded.model.paged
-    graphs_on = _graphs_on(engine.cuda_graphs, paged, device)
+    graphs_on = _graphs_on(engine.cuda_graphs, paged, device) and not loaded.config.is_encoder_decoder
     if paged.block_size not in (None, engine.block_size):
         raise ConfigError(
             f"the model's attention was specialised for KV blocks of {paged.block_size} tokens, but "

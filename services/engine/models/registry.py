@@ -14,6 +14,7 @@ from services.engine.model_config import ModelConfig
 from services.engine.models.gemma3 import Gemma3Model
 from services.engine.models.llama import LlamaModel
 from services.engine.models.qwen import Qwen2Model, Qwen3Model
+from services.engine.models.t5_paged import T5ForEngine
 
 
 class CausalLM(Protocol):
@@ -32,12 +33,13 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
 
-# One file per family: models/llama.py, models/qwen.py (Llama with options), models/gemma3.py.
+# One file per family: models/llama.py, models/qwen.py (Llama with options), models/gemma3.py, models/t5.py.
 _FAMILIES: dict[str, type] = {
     "LlamaForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": Qwen2Model,
     "Qwen3ForCausalLM": Qwen3Model,
     "Gemma3ForCausalLM": Gemma3Model,
+    "T5ForConditionalGeneration": T5ForEngine,  # encoder-decoder: models/t5.py, models/t5_paged.py
 }
 
 

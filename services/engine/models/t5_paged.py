@@ -17,15 +17,17 @@ positions, and shared by every layer, as in the model (t5.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from services.engine.layers.attention import write_kv
+from services.engine.layers.attention_backend import PagedAttention, TorchAttention
 from services.engine.layers.attention_metadata import AttentionMetadata, slots_of, to_device
-from services.engine.models.t5 import T5Model
+from services.engine.model_config import ModelConfig
+from services.engine.models.t5 import T5Config, T5Model
 
 
 @dataclass(frozen=True)
@@ -129,3 +131,43 @@ def _attend_rows(
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out[row.first : row.first + row.num_new] = (probs @ v).transpose(0, 1).reshape(row.num_new, -1)
     return out @ o.T
+
+
+class T5ForEngine:
+    """The T5 family as the engine runs it (registry.py): the decoder over the paged cache, each new
+    sequence's encoder pass written into its cross blocks first (`encode_into`). Torch attention on every
+    device; the C and Triton kernels take no additive bias."""
+
+    is_encoder_decoder = True
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        *,
+        use_cpu_kernels: bool = False,
+        paged: PagedAttention | None = None,
+    ) -> None:
+        self.config = config
+        self.t5 = T5Model(T5Config.from_dict(config.raw or {}), weights, dtype)
+        self.dtype = self.kv_dtype = dtype
+        self.device = self.t5.device
+        self.paged: PagedAttention = paged or TorchAttention()
+
+    @torch.inference_mode()
+    def encode_into(
+        self, source: Sequence[int], cross: CrossRow, kv_caches: list[torch.Tensor], block_size: int
+    ) -> None:
+        encoder_output = self.t5.encode(to_device(list(source), self.device))  # [source, d_model]
+        write_cross_kv(self.t5, encoder_output, cross, kv_caches, block_size)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        cross: Sequence[CrossRow] = (),
+    ) -> torch.Tensor:
+        return forward(self.t5, token_ids, kv_caches, meta, logits_indices, cross)

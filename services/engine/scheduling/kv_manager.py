@@ -56,16 +56,20 @@ class KVCacheManager:
         """Give a waiting request its cached prefix plus room for `num_new_tokens`; False if full."""
         num_cached_tokens = len(cached_block_ids) * self.block_size
         num_needed = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached_block_ids)
+        # An encoder-decoder sequence's cross-attention KV: blocks of its own, counted here too.
+        num_cross = cdiv(len(request.encoder_token_ids), self.block_size)
         # Cached blocks still in the LRU queue are not available for fresh allocation.
         num_reclaimable = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_cnt == 0)
-        if num_needed > self.pool.num_available - num_reclaimable:
+        if num_needed + num_cross > self.pool.num_available - num_reclaimable:
             return False
         self.pool.touch(cached_block_ids)
-        new_block_ids = self.pool.allocate(num_needed)
+        new_block_ids = self.pool.allocate(num_needed + num_cross)
         if new_block_ids is None:  # cannot happen after the check above; keep the pool consistent
             self.pool.free(cached_block_ids)
             return False
-        request.block_ids = cached_block_ids + new_block_ids
+        request.block_ids = cached_block_ids + new_block_ids[:num_needed]
+        request.cross_block_ids = new_block_ids[num_needed:]
+        request.needs_encoding = num_cross > 0
         request.num_computed_tokens = num_cached_tokens
         request.num_committed_blocks = len(cached_block_ids)
         return True
@@ -105,6 +109,7 @@ class KVCacheManager:
 
     def release(self, request: Request) -> None:
         """Return every block of the request to the pool. Committed blocks stay cached."""
-        self.pool.free([b for b in request.block_ids if b != NO_BLOCK])
+        self.pool.free([b for b in request.block_ids if b != NO_BLOCK] + request.cross_block_ids)
         request.block_ids = []
+        request.cross_block_ids = []
         request.num_committed_blocks = 0

@@ -55,6 +55,12 @@ class Request:
     cache_salt: bytes = b""
     # Prefixes the client asked to keep below the pool, and for how long (kv_tiers.py SegmentWrites).
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # Encoder-decoder models (issue 51): the encoder's input, the blocks that hold this sequence's
+    # cross-attention KV (its own, outside the prefix cache, freed with its self KV), and whether they
+    # still wait for the encoder (set at each admission: a preempted sequence re-encodes).
+    encoder_token_ids: list[int] = field(default_factory=list)
+    cross_block_ids: list[int] = field(default_factory=list)
+    needs_encoding: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

@@ -310,7 +310,7 @@ class Scheduler:
         refs: dict[int, int] = {}
         reserved = [r for r in self.requests.values() if r.status is RequestStatus.WAITING_FOR_KV]
         for request in self.running + reserved:
-            for block_id in request.block_ids:
+            for block_id in (*request.block_ids, *request.cross_block_ids):
                 if block_id != NO_BLOCK:
                     refs[block_id] = refs.get(block_id, 0) + 1
         return refs
