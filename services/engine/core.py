@@ -222,9 +222,6 @@ class EngineCore:
             cache_breakpoints=cache_breakpoints,
             encoder_token_ids=encoder_token_ids,
         )
-        check_encoder_input(
-            request.encoder_token_ids, self.model_config.is_encoder_decoder, self.max_model_len
-        )
         if self.scheduler.live_samples(request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already running")
         return request
@@ -269,8 +266,15 @@ class EngineCore:
         self, request: EngineInput, arrival_time: float | None, export_kv_from: int | None
     ) -> list[Request]:
         """The request's n sequences, not yet queued; sample i > 0 is seeded seed + i. Checks what only
-        this engine knows: the context length, and a skip inside the prompt."""
+        this engine knows: the context length, the encoder input (every entry passes here), and a skip
+        inside the prompt."""
         prompt, params = request.prompt_token_ids, request.params
+        is_encoder_decoder = self.model_config.is_encoder_decoder
+        check_encoder_input(request.encoder_token_ids, is_encoder_decoder, self.max_model_len)
+        if is_encoder_decoder and export_kv_from is not None:
+            raise InvalidRequestError(
+                "an encoder-decoder model is not split between prefill and decode replicas yet", param="model"
+            )
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(len(prompt), params.max_tokens, self.max_model_len)
         if export_kv_from is not None and (params.n != 1 or not 0 <= export_kv_from < len(prompt)):

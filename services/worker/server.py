@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import tracing
 from services.common.config import DisaggregationConfig, KvrelayConfig
+from services.common.errors import ConfigError
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_server import drain, stop_on_signals
 from services.common.grpc_tls import add_port
@@ -138,6 +139,12 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     metrics = WorkerMetrics(options.role, options.name)
     engine = AsyncEngine.launch(lambda: build_core(config), metrics)
     core = engine.core
+    if core.model_config.is_encoder_decoder:  # its requests need an encoder input worker.proto lacks
+        engine.shutdown()
+        raise ConfigError(
+            f"{core.model_config.architecture} is an encoder-decoder model: the engine serves it "
+            "(the library, docs/encoder-decoder.md), the worker not yet"
+        )
     _keep_torch_single_threaded_here()
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()

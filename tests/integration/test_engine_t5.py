@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.engine_input import check_request
 from services.common.errors import InvalidRequestError
 from services.common.manifest import compute_manifest, write_manifest
 from services.common.sampling import SamplingParams
@@ -133,6 +134,16 @@ def test_inputs_an_encoder_decoder_or_a_decoder_only_model_cannot_take_are_refus
         engine.add_request("empty", [0], GREEDY)
     with pytest.raises(InvalidRequestError, match="reads at most 64"):
         engine.add_request("long", [0], GREEDY, encoder_token_ids=[5] * 65)
+    checked = check_request(
+        "bare", [0], GREEDY, engine.vocab_size
+    )  # as the worker's and async paths build it
+    with pytest.raises(InvalidRequestError, match="needs a non-empty encoder input"):
+        engine.add(checked)
+    with pytest.raises(InvalidRequestError, match="not split between prefill and decode"):
+        engine.add(
+            check_request("pd", [0], GREEDY, engine.vocab_size, encoder_token_ids=[5, 1]), export_kv_from=0
+        )
+    assert engine.stats().num_waiting == 0
     llama = make_engine(make_tiny_llama(tmp_path / "llama"), "float32")
     with pytest.raises(InvalidRequestError, match="decoder-only: it takes no encoder input"):
         llama.add_request("r", [5, 6], GREEDY, encoder_token_ids=[5])

@@ -103,10 +103,12 @@ def assemble_core(
     build the scheduler and the runner."""
     max_model_len = max_model_len_for(config, engine)
     spec = KVCacheSpec.for_model(config, engine.block_size, kv_dtype)
+    # The tokens one sequence may hold: an encoder-decoder sequence holds its source's cross KV too.
+    sequence_tokens = max_model_len * (2 if config.is_encoder_decoder else 1)
     if plan_blocks is None:
-        num_blocks = plan_num_blocks(spec, engine.kv_cache_memory_mb, max_model_len)
+        num_blocks = plan_num_blocks(spec, engine.kv_cache_memory_mb, sequence_tokens)
     else:
-        num_blocks = plan_blocks(spec, max_model_len)
+        num_blocks = plan_blocks(spec, sequence_tokens)
     runner = runner_for(spec, num_blocks)
     scheduler = build_scheduler(config, engine, num_blocks, batch_size_limit, device)
     on_gpu = device is not None and device.type == "cuda"

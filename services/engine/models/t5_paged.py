@@ -99,6 +99,8 @@ def forward(
 
 def _rows(model: T5Model, meta: AttentionMetadata, cross: Sequence[CrossRow]) -> list[_Row]:
     specs = (*meta.decode_rows, *meta.prefill_rows)
+    if not cross:  # a warm-up step (memory planning on a GPU) runs decoder rows without sources
+        cross = [CrossRow((), 0)] * len(specs)
     if len(cross) != len(specs):
         raise ValueError(f"{len(specs)} rows in the step but cross KV for {len(cross)}")
     rows, first, device = [], 0, meta.device
@@ -153,7 +155,7 @@ class T5ForEngine:
         self.t5 = T5Model(T5Config.from_dict(config.raw or {}), weights, dtype)
         self.dtype = self.kv_dtype = dtype
         self.device = self.t5.device
-        self.paged: PagedAttention = paged or TorchAttention()
+        self.paged: PagedAttention = TorchAttention()  # whatever was chosen: the bias needs torch
 
     @torch.inference_mode()
     def encode_into(
