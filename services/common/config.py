@@ -64,6 +64,9 @@ class EngineConfig(_Section):
     # torch's GEMMs. Unset: under model.weights gguf-hybrid, the shipped table's entry for this CPU and
     # num_threads (services/engine/ops/step_thresholds.json, `kvrelay bench threshold`); else 64.
     small_step_max_tokens: int | None = Field(default=None, ge=1)
+    # Encoder-decoder models: the source tokens one step's newly admitted sequences may bring to the
+    # encoder (one sequence always goes, however long). Unset: max_num_batched_tokens' value.
+    max_num_encoder_tokens: int | None = Field(default=None, gt=0)
     # Every step on the C kernels, so a token's logits are bitwise the same whatever its neighbours,
     # chunking, cache hits or preemptions (services/engine/loading/deterministic.py; docs/deterministic.md).
     # CPU only; model.weights auto becomes gguf-int8, gguf-hybrid and bfloat16 compute are refused.

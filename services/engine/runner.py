@@ -133,16 +133,15 @@ class ModelRunner:
         return _PendingSample(host, seq_ids, copied)
 
     def _cross(self, chunks: list[ScheduledChunk]) -> list[CrossRow]:
-        """Encoder-decoder models: each row's cross KV, encoded first for sequences admitted since their
-        last step (new, or readmitted after a preemption)."""
-        rows = []
-        for chunk in chunks:
-            request = chunk.request
-            row = CrossRow(request.cross_block_ids, len(request.encoder_token_ids))
-            if request.needs_encoding:
-                self.model.encode_into(request.encoder_token_ids, row, self.kv_caches, self.block_size)  # type: ignore[attr-defined]
+        """Encoder-decoder models: each row's cross KV, encoded first, in one batch, for the sequences
+        admitted since their last step (new, or readmitted after a preemption)."""
+        rows = [CrossRow(c.request.cross_block_ids, len(c.request.encoder_token_ids)) for c in chunks]
+        new = [(c.request, row) for c, row in zip(chunks, rows, strict=True) if c.request.needs_encoding]
+        if new:
+            sources = [request.encoder_token_ids for request, _ in new]
+            self.model.encode_into(sources, [row for _, row in new], self.kv_caches, self.block_size)  # type: ignore[attr-defined]
+            for request, _ in new:
                 request.needs_encoding = False
-            rows.append(row)
         return rows
 
     def _fill_placeholders(self, token_tensor: torch.Tensor, chunks: list[ScheduledChunk]) -> None:

@@ -110,6 +110,25 @@ def test_preempted_sequences_re_encode_and_match(tiny: tuple[Path, Any]) -> None
     assert_matches(reference, srcs, got)
 
 
+def test_a_step_admits_sources_within_its_encoder_budget(tiny: tuple[Path, Any]) -> None:
+    """engine.max_num_encoder_tokens 130: sources of 60 tokens come in two a step (a third would pass it),
+    and all decode alike."""
+    path, _ = tiny
+    engine = make_engine(path, "float32", max_num_encoder_tokens=130)
+    generator = torch.Generator().manual_seed(9)
+    for i in range(6):
+        engine.add_request(
+            f"e{i}", [0], GREEDY, encoder_token_ids=torch.randint(3, 259, (60,), generator=generator).tolist()
+        )
+    admitted = []
+    for _ in range(3):
+        engine.step()
+        admitted.append(engine.stats().num_running)
+    assert admitted == [2, 4, 6]
+    drain(engine)
+    assert engine.stats().kv_blocks.num_active == 0
+
+
 def test_an_abort_frees_self_and_cross_blocks(tiny: tuple[Path, Any]) -> None:
     path, _ = tiny
     engine = make_engine(path, "float32")

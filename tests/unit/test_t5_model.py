@@ -141,3 +141,12 @@ def test_the_byte_tokenizer_is_byt5s() -> None:
     for text in ("hello", "héllo wörld ✓", "a\nb\tc", "", "日本語 and bytes"):
         assert ours.encode(text).ids == theirs(text).input_ids, text
         assert ours.decode(ours.encode(text).ids, skip_special_tokens=True) == text
+
+
+def test_a_batched_encoder_pass_gives_each_source_its_own_output(tiny: tuple[T5Model, Any]) -> None:
+    model, _ = tiny
+    srcs = [source(n, seed=n) for n in (1, 13, 64, 5)]
+    batched = model.encode_batch(srcs)
+    for src, got in zip(srcs, batched, strict=True):
+        assert got.shape == (src.shape[0], model.config.d_model)
+        torch.testing.assert_close(got, model.encode_batch([src])[0], atol=1e-5, rtol=0)  # padding is masked

@@ -83,7 +83,10 @@ def build_scheduler(
     pool = BlockPool(num_blocks, enable_caching=engine.enable_prefix_caching)
     kv = KVCacheManager(pool, engine.block_size, PrefixCacheStats(), window=config.kv_window)
     budget = default_batched_tokens(device or torch.device("cpu"), engine.max_num_batched_tokens)
-    return Scheduler(kv, budget, batch_size_limit)
+    scheduler = Scheduler(kv, budget, batch_size_limit)
+    if config.is_encoder_decoder:  # the sources a step may encode: its own budget, the step's by default
+        scheduler.max_num_encoder_tokens = engine.max_num_encoder_tokens or budget
+    return scheduler
 
 
 def assemble_core(

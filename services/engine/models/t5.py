@@ -20,7 +20,7 @@ a KV cache the caller keeps (`DecoderCache`): the engine's paged cache and batch
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,16 +272,38 @@ class T5Model:
     @torch.inference_mode()
     def encode(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The encoder output [S, d_model] of one source [S] (ending with EOS, as T5's tokenizer makes it)."""
-        h = F.embedding(token_ids, self.embed)  # [S, d_model]
-        positions = torch.arange(token_ids.shape[0], device=self.device)
-        bias = self.position_bias(self.encoder_bias, positions, positions, bidirectional=True)
+        return self.encode_batch([token_ids])[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The encoder outputs [S_i, d_model] of several sources in one pass, padded to the longest: padded
+        keys are masked out of every query, padded queries dropped. Never chunked: it is bidirectional."""
+        cfg, lengths = self.config, [int(s.shape[0]) for s in sources]
+        batch, longest = len(sources), max(lengths)
+        ids = torch.full((batch, longest), cfg.pad_token_id, dtype=torch.long, device=self.device)
+        for i, source in enumerate(sources):
+            ids[i, : lengths[i]] = source
+        positions = torch.arange(longest, device=self.device)
+        bias = self.position_bias(self.encoder_bias, positions, positions, bidirectional=True)  # [H, S, S]
+        valid = positions[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # [B, S]
+        bias = (
+            bias[None]
+            + torch.zeros_like(valid, dtype=bias.dtype).masked_fill(~valid, float("-inf"))[:, None, None, :]
+        )  # [B, H, S, S]
+        h = F.embedding(ids, self.embed)  # [B, S, d_model]
         for layer in self.encoder:
             x = self.norm(h, layer.self_norm)
             a = layer.self_attn
-            q, k, v = (self._heads(x @ w.T) for w in (a.q, a.k, a.v))
-            h = h + self._attend(a, q, k, v, bias)
+            q, k, v = (
+                (x @ w.T).view(batch, longest, cfg.num_heads, cfg.d_kv).transpose(1, 2)
+                for w in (a.q, a.k, a.v)
+            )
+            scores = q.float() @ k.float().transpose(-1, -2) + bias  # [B, H, S, S]: unscaled
+            out = (torch.softmax(scores, dim=-1).to(v.dtype) @ v).transpose(1, 2)  # [B, S, H, d_kv]
+            h = h + out.reshape(batch, longest, cfg.inner_dim) @ a.o.T
             h = h + self.feed_forward(layer.ff, self.norm(h, layer.ff_norm))
-        return self.norm(h, self.encoder_norm)
+        h = self.norm(h, self.encoder_norm)
+        return [h[i, :n] for i, n in enumerate(lengths)]
 
     # -- the decoder ------------------------------------------------------------------------------------
 

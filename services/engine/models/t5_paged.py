@@ -159,10 +159,16 @@ class T5ForEngine:
 
     @torch.inference_mode()
     def encode_into(
-        self, source: Sequence[int], cross: CrossRow, kv_caches: list[torch.Tensor], block_size: int
+        self,
+        sources: Sequence[Sequence[int]],
+        cross: Sequence[CrossRow],
+        kv_caches: list[torch.Tensor],
+        block_size: int,
     ) -> None:
-        encoder_output = self.t5.encode(to_device(list(source), self.device))  # [source, d_model]
-        write_cross_kv(self.t5, encoder_output, cross, kv_caches, block_size)
+        """The sources' encoder pass, batched, each output's cross KV into its row's cross blocks."""
+        outputs = self.t5.encode_batch([to_device(list(source), self.device) for source in sources])
+        for output, row in zip(outputs, cross, strict=True):
+            write_cross_kv(self.t5, output, row, kv_caches, block_size)
 
     def forward(
         self,

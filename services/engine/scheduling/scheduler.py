@@ -109,6 +109,9 @@ class Scheduler:
     requests: dict[SeqId, Request] = field(default_factory=dict)
     num_preemptions: int = 0
     num_generated_tokens: int = 0  # tokens sampled (appended in `update`), never reset
+    # Encoder-decoder models: the source tokens the sequences admitted in one step may bring to the
+    # encoder (batched, never chunked); one is always admitted, however long. None: no encoder.
+    max_num_encoder_tokens: int | None = None
     # The tiers below the pool, if any: a new request (a group's leader) starts a lookup there; KV it
     # found is placed into blocks allocated with the request's at admission, before its first chunk is
     # sized (it costs no compute budget); each request that leaves through `finish` is shown to them
@@ -213,11 +216,15 @@ class Scheduler:
         self._enqueue(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        encoder_budget, num_encoded = self.max_num_encoder_tokens, 0
         for request in list(self.waiting):
             if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
                 return
             if self._leader_still_prefilling(request) or self._still_looking(request):
                 continue
+            num_source = len(request.encoder_token_ids)
+            if encoder_budget is not None and num_encoded and num_encoded + num_source > encoder_budget:
+                return  # the step's encoder budget is spent; keep FCFS order
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             below = self.below.found(request, num_cached_tokens) if self.below is not None else None
@@ -237,6 +244,7 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
             budget -= num_new
+            num_encoded += num_source
 
     def _still_looking(self, request: Request) -> bool:
         return self.below is not None and self.below.is_looking(request)
