@@ -3,6 +3,11 @@
 Each input line holds `messages` (rendered with the chat template) or a raw `prompt`, and may carry
 sampling fields. Output lines come in input order. A bad line gets an `error` object; the command then
 exits with code 3 after writing every line.
+
+An encoder-decoder model (T5, docs/encoder-decoder.md) reads the line's `prompt` (or its rendered
+`messages`, where the model has a chat template) as the encoder input, with the tokenizer's special tokens
+(T5's EOS); its decoder starts at the model's start token, followed by the line's optional
+`decoder_prompt` text. `prompt_tokens` counts the encoder input then.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class _Line:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    encoder_ids: list[int] | None = None  # an encoder-decoder model's input; prompt_ids are the decoder's
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +73,13 @@ def run(args: argparse.Namespace) -> int:
     raw_lines = args.input.read_text().splitlines()
     results: dict[int, dict[str, Any]] = {}
     accepted: list[_Line] = []
+    decoder_start = engine.model_config.bos_token_id if engine.model_config.is_encoder_decoder else None
     for index, raw in enumerate(raw_lines):
         try:
-            line = _parse_line(index, raw, tokenizer, defaults)
-            engine.add_request(str(index), line.prompt_ids, line.params)
+            line = _parse_line(index, raw, tokenizer, defaults, decoder_start)
+            engine.add_request(
+                str(index), line.prompt_ids, line.params, encoder_token_ids=line.encoder_ids or ()
+            )
             accepted.append(line)
         except (KvrelayError, ValueError, TypeError) as exc:
             results[index] = {"index": index, "error": {"type": type(exc).__name__, "message": str(exc)}}
@@ -84,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_SOME_LINES_FAILED if num_failed else 0
 
 
-def _parse_line(index: int, raw: str, tokenizer, defaults: dict[str, Any]) -> _Line:
+def _parse_line(
+    index: int, raw: str, tokenizer, defaults: dict[str, Any], decoder_start: int | None = None
+) -> _Line:
     from services.codec.text.chat_template import chat_template_from_tokenizer, render_and_encode
 
     try:
@@ -103,7 +114,12 @@ def _parse_line(index: int, raw: str, tokenizer, defaults: dict[str, Any]) -> _L
     fields = {**defaults, **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}}
     stop_ids = tuple(obj.get("stop_token_ids", ()))
     params = SamplingParams(**fields, stop_token_ids=stop_ids)
-    return _Line(index, prompt_ids, params)
+    if decoder_start is None:
+        if "decoder_prompt" in obj:
+            raise InvalidRequestError(f"line {index + 1}: decoder_prompt is for encoder-decoder models only")
+        return _Line(index, prompt_ids, params)
+    decoder = [decoder_start, *tokenizer.encode(obj.get("decoder_prompt", ""), add_special_tokens=False)]
+    return _Line(index, decoder, params, encoder_ids=prompt_ids)
 
 
 def _run_to_completion(engine, lines: list[_Line], tokenizer, results: dict[int, dict[str, Any]], show: bool):
@@ -132,7 +148,7 @@ def _run_to_completion(engine, lines: list[_Line], tokenizer, results: dict[int,
             "index": line.index,
             **first,
             **({"choices": choices} if line.params.n > 1 else {}),
-            "prompt_tokens": len(line.prompt_ids),
+            "prompt_tokens": len(line.encoder_ids or line.prompt_ids),
             "completion_tokens": sum(len(c["token_ids"]) for c in choices),
             "cached_tokens": cached.get(rid, 0),
         }
