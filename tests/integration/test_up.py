@@ -27,7 +27,12 @@ pytestmark = pytest.mark.model
 
 KVRELAY = [sys.executable, "-m", "services.cli.main"]
 READY_TIMEOUT_S = 120.0
-CONFIG = "engine:\n  kv_cache_memory_mb: 128\n  max_model_len: 2048\ndisaggregation:\n  policy: always\n"
+# The step timeout is wide: a loaded CI machine (two stacks beside another test, 2 cores) can take seconds
+# a step, and these tests check the processes, not how fast a step is (2 s cut one off once).
+CONFIG = (
+    "engine:\n  kv_cache_memory_mb: 128\n  max_model_len: 2048\ndisaggregation:\n  policy: always\n"
+    "limits:\n  step_timeout_ms: 30000\n  request_timeout_ms: 40000000\n"
+)
 
 
 @dataclass
