@@ -254,7 +254,8 @@ class GenerationStream:
 
     def _usage(self) -> Usage:
         return Usage(
-            num_prompt_tokens=len(self._request.prompt_token_ids),
+            # an encoder-decoder model reads its encoder input too: the prompt counts both
+            num_prompt_tokens=len(self._request.prompt_token_ids) + len(self._request.encoder_token_ids),
             num_completion_tokens=sum(sample.num_tokens for sample in self._samples),
             num_cached_tokens=self._num_cached_tokens,
             num_cache_written_tokens=self._stats.num_cache_written_tokens,

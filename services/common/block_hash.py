@@ -57,6 +57,16 @@ def hash_token_blocks(
     return _chain(root, token_ids[: num_blocks * block_size], block_size, _extra_header(cache_salt))
 
 
+def request_salt(cache_salt: bytes, encoder_token_ids: Sequence[int] = ()) -> bytes:
+    """A request's extra key: the tenant's salt, and for an encoder-decoder request a digest of its
+    encoder input too. Every decoder starts from the same token, so its KV is the same only under the
+    same input: with the input in every hash, decoder prefixes are shared only between requests that
+    share it (and the router's overlap matches what the replicas cache)."""
+    if not encoder_token_ids:
+        return cache_salt
+    return cache_salt + b"\x00encoder:" + hashlib.sha256(_token_bytes(encoder_token_ids)).digest()
+
+
 def hex_hash(block_hash: bytes) -> str:
     """A short hex form for logs: the first 8 bytes."""
     return block_hash[:8].hex()

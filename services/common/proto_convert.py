@@ -99,6 +99,7 @@ def engine_input_from_proto(
         priority=request.priority,
         cache_salt=bytes(request.cache_salt),
         cache_breakpoints=breakpoints_from_proto(request.cache_breakpoints),
+        encoder_token_ids=request.encoder_token_ids,
     )
 
 

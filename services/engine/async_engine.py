@@ -188,12 +188,14 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: bytes = b"",
         export_kv_from: int | None = None,
+        encoder_token_ids: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         """The entry for callers that hold raw values: checks them (engine_input.check_request) and refuses
         an ID that already has a stream here, then runs it (`generate_checked`)."""
         request = check_request(
-            request_id, prompt_token_ids, params, self.vocab_size, priority=priority, cache_salt=cache_salt
-        )
+            request_id, prompt_token_ids, params, self.vocab_size,
+            priority=priority, cache_salt=cache_salt, encoder_token_ids=encoder_token_ids,
+        )  # fmt: skip
         check_unique(request_id, self._streams)  # never take over a running request's stream
         async for item in self.generate_checked(request, export_kv_from=export_kv_from):
             yield item

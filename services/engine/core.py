@@ -17,7 +17,6 @@ The core is handed its parts (a scheduler over a KV cache manager and block pool
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from services.common.block_hash import BlockHasher, root_hash
+from services.common.block_hash import BlockHasher, request_salt, root_hash
 from services.common.engine_input import (
     CacheBreakpoint,
     EngineInput,
@@ -294,7 +293,11 @@ class EngineCore:
                     sample_index=index,
                     prompt_token_ids=list(prompt),
                     params=sample_params,
-                    block_hasher=BlockHasher(self.root_hash, self.block_size, _salt(request)),
+                    block_hasher=BlockHasher(
+                        self.root_hash,
+                        self.block_size,
+                        request_salt(request.cache_salt, request.encoder_token_ids),
+                    ),
                     eos_token_ids=self.eos_token_ids,
                     priority=request.priority,
                     arrival_time=arrival,
@@ -565,16 +568,6 @@ class EngineCore:
     def check_invariants(self) -> None:
         """Raise if any block's references disagree with what the live requests hold."""
         self.pool.check_invariants(self.scheduler.held_block_refs())
-
-
-def _salt(request: EngineInput) -> bytes:
-    """The block hashes' salt: the tenant's, and for an encoder-decoder request a digest of its encoder
-    input too. Every decoder starts from the same token, so its KV is the same only under the same input:
-    with the input in every hash, decoder prefixes are shared only between requests that share it."""
-    if not request.encoder_token_ids:
-        return request.cache_salt
-    source = b"".join(t.to_bytes(4, "little") for t in request.encoder_token_ids)
-    return request.cache_salt + b"\x00encoder:" + hashlib.sha256(source).digest()
 
 
 def _ended(request: Request, reason: FinishReason) -> RequestOutput:

@@ -25,6 +25,7 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from services.common import tracing
+from services.common.block_hash import request_salt
 from services.common.config import DisaggregationConfig, RouterConfig
 from services.common.engine_input import check_request_id, check_unique
 from services.common.errors import DuplicateRequestError, InvalidRequestError
@@ -195,6 +196,8 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> tuple[Replica | None, Decision]:
         if self.disaggregation.policy == "never":
             return None, Decision(False, "disaggregation_off")
+        if request.encoder_token_ids:  # the split ships decoder KV only (docs/encoder-decoder.md)
+            return None, Decision(False, "encoder_decoder")
         prefills = self._candidates(PREFILL_ROLES, set(), hashes, block_size, request)
         if self.disaggregation.transport == "ipc":  # a prefill replica sharing D's GPU comes first
             paired = {
@@ -258,7 +261,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         tried: set[str] = set()
         failure: tuple[grpc.StatusCode, str] | None = None
-        salt = bytes(request.cache_salt)
+        salt = request_salt(bytes(request.cache_salt), request.encoder_token_ids)
         hashes, block_size = self.replicas.prompt_block_hashes(request.prompt_token_ids, salt)
         while failure is None:
             route = self.route(request, tried, hashes, block_size)

@@ -25,7 +25,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import tracing
 from services.common.config import DisaggregationConfig, KvrelayConfig
-from services.common.errors import ConfigError
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_server import drain, stop_on_signals
 from services.common.grpc_tls import add_port
@@ -63,6 +62,7 @@ class WorkerOptions:
 
 
 def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "") -> pb.InfoResponse:
+    cfg = core.model_config
     return pb.InfoResponse(
         model_name=config.model.served_name or Path(config.model.path).name,
         max_model_len=core.max_model_len,
@@ -79,6 +79,8 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         small_step_source=core.served.small_step_source,
         weight_bytes=core.served.weight_bytes,
         numerics=core.served.numerics,
+        encoder_decoder=core.model_config.is_encoder_decoder,
+        decoder_start_token_id=(cfg.bos_token_id or 0) if cfg.is_encoder_decoder else 0,
     )
 
 
@@ -86,9 +88,13 @@ async def warm_up(engine: AsyncEngine, in_flight: set[str]) -> None:
     """One short generation, so the first real request does not pay for lazy initialisation. Its ID is
     held in `in_flight` meanwhile: the server already listens."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    cfg = engine.core.model_config
+    prompt, source = list(range(1, 17)), []
+    if cfg.is_encoder_decoder:  # the encoder reads the tokens, the decoder starts at its start token
+        prompt, source = [cfg.bos_token_id or 0], prompt
     in_flight.add(WARMUP_REQUEST_ID)
     try:
-        async for _ in engine.generate(WARMUP_REQUEST_ID, list(range(1, 17)), params):
+        async for _ in engine.generate(WARMUP_REQUEST_ID, prompt, params, encoder_token_ids=source):
             pass
     finally:
         in_flight.discard(WARMUP_REQUEST_ID)
@@ -139,12 +145,6 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     metrics = WorkerMetrics(options.role, options.name)
     engine = AsyncEngine.launch(lambda: build_core(config), metrics)
     core = engine.core
-    if core.model_config.is_encoder_decoder:  # its requests need an encoder input worker.proto lacks
-        engine.shutdown()
-        raise ConfigError(
-            f"{core.model_config.architecture} is an encoder-decoder model: the engine serves it "
-            "(the library, docs/encoder-decoder.md), the worker not yet"
-        )
     _keep_torch_single_threaded_here()
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()

@@ -117,7 +117,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _is_remote(self, request: pb.GenerateRequest) -> bool:
         has_address = request.HasField("remote_prefill") and bool(request.remote_prefill.address)
-        return self.remote is not None and has_address and (request.sampling.n or 1) == 1
+        single = (request.sampling.n or 1) == 1 and not request.encoder_token_ids  # P/D: decoder-only yet
+        return self.remote is not None and has_address and single
 
     async def _remote(
         self,

@@ -160,6 +160,9 @@ TEXT_CASES: list[tuple[str, Any, str, str | None]] = [
     ("logprobs", True, "logprobs", None),
     ("logit_bias", {"1": 2}, "logit_bias", "unsupported_parameter"),
     ("max_completion_tokens", 5, "max_completion_tokens", "unknown_parameter"),
+    ("use_beam_search", True, "use_beam_search", "unsupported_parameter"),
+    ("decoder_prompt", "Hi", "decoder_prompt", None),  # the fake serves a decoder-only model
+    ("decoder_prompt", [1, 2], "decoder_prompt", None),
 ]
 
 

@@ -34,6 +34,7 @@ REQUEST = GenerationRequest(
     cache_salt=b"tenant-a",
     priority=1,
     cache_breakpoints=(CacheBreakpoint(2, 300),),
+    encoder_token_ids=(8, 9, 1),  # an encoder-decoder model's source: the same decoder start, other results
 )  # fmt: skip
 PLAN = OutputPlan(
     tools=ToolSet(

@@ -40,7 +40,7 @@ from services.codec.admission.quota_redis import DEFAULT_KEY_PREFIX
 from services.codec.admission.quota_store import Reservation
 from services.codec.admission.quotas import Quotas
 from services.codec.backend.info import BackendInfoCache
-from services.codec.backend.protocol import GenerationRequest
+from services.codec.backend.protocol import BackendInfo, GenerationRequest
 from services.codec.errors import PromptTooLongError
 from services.codec.generation import GenerationStream, Generator, build_sampling
 from services.codec.metrics import RequestStats
@@ -71,6 +71,30 @@ def resolve_max_tokens(
     if num_prompt_tokens + requested > max_model_len:
         raise ContextLengthExceededError(num_prompt_tokens, requested, max_model_len)
     return requested
+
+
+def split_encoder_input(
+    info: BackendInfo,
+    limits: LimitsConfig,
+    prompt_token_ids: list[int],
+    decoder_prompt_ids: list[int] | None,
+    prompt_param: str,
+) -> tuple[list[int], tuple[int, ...]]:
+    """The decoder's prompt and the encoder's input. For an encoder-decoder model the prompt is the
+    encoder's (over the input limit or the model's source length: a 400) and the decoder starts at its
+    start token, then `decoder_prompt_ids`; a decoder-only model refuses a decoder prompt."""
+    if not info.encoder_decoder:
+        if decoder_prompt_ids is not None:
+            raise InvalidRequestError(
+                "decoder_prompt is for encoder-decoder models; this model is decoder-only", "decoder_prompt"
+            )
+        return prompt_token_ids, ()
+    num_source = len(prompt_token_ids)
+    if num_source > limits.max_input_tokens:
+        raise PromptTooLongError(num_source, limits.max_input_tokens, "input limit", prompt_param)
+    if num_source > info.max_model_len:
+        raise PromptTooLongError(num_source, info.max_model_len, "encoder's source length", prompt_param)
+    return [info.decoder_start_token_id, *(decoder_prompt_ids or ())], tuple(prompt_token_ids)
 
 
 class SamplingSource(Protocol):
@@ -184,12 +208,18 @@ class Gate:
         cache_salt: bytes,
         session_key: str = "",
         cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
+        decoder_prompt_ids: list[int] | None = None,
     ) -> GenerationRequest:
         """The request to start, after the context rules and sampling validation. Refusals raise
-        InvalidRequestError subclasses. `cache_salt` comes from the authenticated tenant only."""
-        num_prompt_tokens = len(prompt_token_ids)
+        InvalidRequestError subclasses. `cache_salt` comes from the authenticated tenant only. For an
+        encoder-decoder model `prompt_token_ids` are the encoder's input and `decoder_prompt_ids` what
+        the decoder starts from after its start token (split_encoder_input)."""
         info = await self._info.get()
         limits = self._config.limits
+        prompt_token_ids, encoder_ids = split_encoder_input(
+            info, limits, prompt_token_ids, decoder_prompt_ids, prompt_param
+        )
+        num_prompt_tokens = len(prompt_token_ids)
         resolved = resolve_max_tokens(limits, num_prompt_tokens, max_tokens, info.max_model_len, prompt_param)
         sampling = build_sampling(
             fields.sampling_kwargs(), max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size
@@ -197,7 +227,7 @@ class Gate:
         constraint = fields.constraint()
         if constraint is not None and self._grammars is not None:  # a 400 now, not on a worker
             await self._grammars.check_grammar(constraint.spec, constraint.param)
-        stats.num_prompt_tokens = num_prompt_tokens
+        stats.num_prompt_tokens = num_prompt_tokens + len(encoder_ids)
         return GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -207,6 +237,7 @@ class Gate:
             session_key=session_key,
             cache_salt=cache_salt,
             cache_breakpoints=cache_breakpoints,
+            encoder_token_ids=encoder_ids,
         )
 
     async def start(
@@ -223,7 +254,8 @@ class Gate:
         stream closes, or here if starting fails. `result_key`: the exact-result cache's (Generator.start);
         a replayed result passes the quotas and the queue and is charged as a generated one is."""
         sampling = request.sampling
-        num_tokens = len(request.prompt_token_ids) + sampling.n * sampling.max_tokens
+        num_input = len(request.prompt_token_ids) + len(request.encoder_token_ids)
+        num_tokens = num_input + sampling.n * sampling.max_tokens
         with tracing.span("admission", attributes={"kvrelay.tenant": tenant_id}) as span:
             lease = await self.enter(tenant_id, num_tokens, request.timeout_s, request_charge=request_charge)
             if lease.waited_s is not None:

@@ -59,6 +59,8 @@ class GrpcBackend:
             tokenizer_fingerprint=info.tokenizer_fingerprint,
             vocab_size=info.vocab_size,
             numerics=info.numerics or "default",
+            encoder_decoder=info.encoder_decoder,
+            decoder_start_token_id=info.decoder_start_token_id,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
@@ -70,6 +72,7 @@ class GrpcBackend:
             cache_salt=request.cache_salt,
             priority=request.priority,
             cache_breakpoints=breakpoints_to_proto(request.cache_breakpoints),
+            encoder_token_ids=request.encoder_token_ids,
         )
         # The request's trace goes on in the router: the current span (the request's) is its parent.
         metadata = tracing.inject(self.tokens.metadata(request.request_id))

@@ -53,6 +53,8 @@ class GenerationRequest:
     priority: int = 0
     # Prefixes the client asked to keep (cache_control, prompt_cache_retention "24h"), in prompt order.
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # An encoder-decoder model's encoder input; `prompt_token_ids` are then the decoder's first tokens.
+    encoder_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class BackendInfo:
     tokenizer_fingerprint: str
     vocab_size: int
     numerics: str = "default"  # the workers' numerics mode: default or deterministic (engine.deterministic)
+    # An encoder-decoder model (T5): the prompt goes to the encoder, the decoder starts at this token.
+    encoder_decoder: bool = False
+    decoder_start_token_id: int = 0
 
     @property
     def numerics_fingerprint(self) -> str:

@@ -104,6 +104,8 @@ def completion_request(request: pb.TextGenerateRequest, served_model: str) -> Co
     }
     if options.logprobs:
         body["logprobs"] = options.top_logprobs
+    if request.HasField("decoder_prompt"):
+        body["decoder_prompt"] = request.decoder_prompt
     return parse_schema(CompletionRequest, body)
 
 

@@ -49,7 +49,7 @@ from services.codec.protocols.output import (
 from services.codec.protocols.result_key import result_key_if_asked
 from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
-from services.codec.text.prompts import encode_prompt
+from services.codec.text.prompts import encode_decoder_prompt, encode_prompt
 from services.common import tracing
 from services.common.grpc_auth import REQUEST_ID_KEY
 from services.common.outputs import FinishReason, TokenLogprob
@@ -89,6 +89,7 @@ class PreparedRequest:
     prompt_param: str
     session_key: str = ""
     plan: OutputPlan = field(default_factory=OutputPlan)
+    decoder_prompt_ids: list[int] | None = None  # an encoder-decoder model's (gate.split_encoder_input)
 
 
 class InferenceServicer(public_pb2_grpc.InferenceServicer):
@@ -138,10 +139,20 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
         state.check_model(body.model)
         body.check_supported()
         param = "prompt" if request.prompt else "prompt_token_ids"
-        prompt_ids = await encode_prompt(body.single_prompt(), state.encoder, param, state.vocab_size)
+        info = await state.info.get()
+        prompt_ids = await encode_prompt(
+            body.single_prompt(),
+            state.encoder,
+            param,
+            state.vocab_size,
+            empty_text_ok=not info.encoder_decoder,
+        )
+        decoder_ids = await encode_decoder_prompt(body.decoder_prompt, state.encoder, state.vocab_size)
         tenant = rpc_tenant().tenant_id
         key = session_key(header=session_id, tenant=tenant)  # a plain prompt has no turns: metadata only
-        return PreparedRequest(body, prompt_ids, body.max_tokens, body.logprobs, param, key)
+        return PreparedRequest(
+            body, prompt_ids, body.max_tokens, body.logprobs, param, key, decoder_prompt_ids=decoder_ids
+        )
 
     async def _serve(
         self,
@@ -206,6 +217,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
             timeout_s=self._timeout_s(context),
             session_key=prepared.session_key,
             cache_salt=tenant.cache_salt,
+            decoder_prompt_ids=prepared.decoder_prompt_ids,
         )
         asked = _metadata_value(context, results.REQUEST_HEADER) or ""
         key = await result_key_if_asked(

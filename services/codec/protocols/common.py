@@ -79,6 +79,7 @@ async def admit_and_start(
     session_key: str = "",
     cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     plan: OutputPlan = PLAIN,
+    decoder_prompt_ids: list[int] | None = None,
 ) -> GenerationStream:
     """The gate's context rules and sampling validation, quotas, a slot, then the backend (or the
     exact-result cache, for a request that asks: `plan` is how its output is read, part of the key).
@@ -97,6 +98,7 @@ async def admit_and_start(
             cache_salt=tenant.cache_salt,
             session_key=session_key,
             cache_breakpoints=cache_breakpoints,
+            decoder_prompt_ids=decoder_prompt_ids,
         )
     except BackendUnavailableError:  # the server's failure, not the request's: its entry charge comes back
         await state.gate.quotas.refund(request.state.request_charge)

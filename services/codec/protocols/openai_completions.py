@@ -30,7 +30,7 @@ from services.codec.protocols.common import (
 from services.codec.protocols.schemas.openai import CompletionRequest
 from services.codec.protocols.sse import DONE, encode_event
 from services.codec.session import SESSION_HEADER, session_key
-from services.codec.text.prompts import encode_prompt
+from services.codec.text.prompts import encode_decoder_prompt, encode_prompt
 from services.common.outputs import TokenLogprob
 
 PROTOCOL = "completions"
@@ -43,7 +43,15 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state, stats, body = await open_route(request, CompletionRequest, PROTOCOL)
-    prompt_ids = await encode_prompt(body.single_prompt(), state.encoder, "prompt", state.vocab_size)
+    info = await state.info.get()
+    prompt_ids = await encode_prompt(
+        body.single_prompt(),
+        state.encoder,
+        "prompt",
+        state.vocab_size,
+        empty_text_ok=not info.encoder_decoder,
+    )
+    decoder_ids = await encode_decoder_prompt(body.decoder_prompt, state.encoder, state.vocab_size)
     generation = await admit_and_start(
         request,
         state,
@@ -57,6 +65,7 @@ async def create_completion(request: Request) -> Response:
         session_key=session_key(
             header=request.headers.get(SESSION_HEADER), tenant=tenant_of(request).tenant_id
         ),
+        decoder_prompt_ids=decoder_ids,
     )
     envelope = Envelope.new(ID_PREFIX, OBJECT, state)
     num_samples = body.n or 1

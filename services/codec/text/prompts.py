@@ -205,6 +205,18 @@ def default_workers() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+async def encode_decoder_prompt(
+    prompt: str | list[int] | None, encoder: PromptEncoder, vocab_size: Callable[[], Awaitable[int]]
+) -> list[int] | None:
+    """An encoder-decoder request's decoder prompt (what follows the decoder's start token): text is
+    tokenized without special tokens, IDs are checked; None when the request has none. It may be empty."""
+    if prompt is None:
+        return None
+    if isinstance(prompt, str):
+        return await encoder.text(prompt, add_special_tokens=False, param="decoder_prompt") if prompt else []
+    return check_token_ids(prompt, await vocab_size(), "decoder_prompt")
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
     """`token_ids` as a list, or a 400 naming `param` for the first ID outside [0, vocab_size)."""
     for position, token_id in enumerate(token_ids):
@@ -227,9 +239,14 @@ async def encode_prompt(
     encoder: PromptEncoder,
     param: str,
     vocab_size: Callable[[], Awaitable[int]],
+    *,
+    empty_text_ok: bool = True,
 ) -> list[int]:
     """A plain prompt's token IDs: text is tokenized, IDs are checked against the backend's vocabulary
-    (`vocab_size` is awaited only for IDs). An empty prompt is a 400 naming `param`."""
+    (`vocab_size` is awaited only for IDs). An empty prompt is a 400 naming `param`, and so is empty text
+    unless `empty_text_ok` (an encoder-decoder model's encoder would read its EOS alone)."""
     if isinstance(prompt, str):
+        if not (prompt or empty_text_ok):
+            raise InvalidRequestError("the prompt is empty: the encoder needs text to read", param=param)
         return require_tokens(await encoder.text(prompt, param=param), param)
     return require_tokens(check_token_ids(prompt, await vocab_size(), param), param)

@@ -209,6 +209,7 @@ class SamplingFields(Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool | None = None  # vLLM's; refused when true (`_check_shared`)
 
     @property
     def is_stream(self) -> bool:
@@ -259,6 +260,10 @@ class SamplingFields(Strict):
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         if self.logit_bias:
             raise UnsupportedParameterError("logit_bias is not supported", "logit_bias")
+        if self.use_beam_search:
+            raise UnsupportedParameterError(
+                "beam search is not supported: kvrelay samples (greedy with temperature 0)", "use_beam_search"
+            )
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -377,6 +382,9 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    # kvrelay's: an encoder-decoder model's decoder starts from its start token, then this (the prompt is
+    # the encoder's input); a decoder-only model refuses it.
+    decoder_prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
 
     def check_supported(self) -> None:
         self._check_shared()
@@ -385,7 +393,10 @@ class CompletionRequest(SamplingFields):
         if self.suffix is not None:
             raise UnsupportedParameterError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise UnsupportedParameterError("best_of must equal n (or be omitted)", "best_of")
+            raise UnsupportedParameterError(
+                "best_of must equal n (or be omitted): kvrelay samples, it does not rank or beam-search",
+                "best_of",
+            )
         self.single_prompt()
 
     def single_prompt(self) -> str | list[int]:

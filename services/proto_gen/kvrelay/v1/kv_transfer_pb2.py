@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto_gen.kvrelay.v1 import worker_pb2 as kvrelay_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/v1/kv_transfer.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/worker.proto\"\x87\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\x0fnum_skip_tokens\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x11\n\ttransport\x18\t \x01(\t\x12\x12\n\nrendezvous\x18\n \x01(\t\x12\x11\n\ttorch_tag\x18\x0b \x01(\r\x12\x11\n\tkv_device\x18\x0c \x01(\t\x12\x12\n\nipc_domain\x18\r \x01(\t\x12\x14\n\x0ckv_checksums\x18\x0e \x03(\t\x12\x36\n\x11\x63\x61\x63he_breakpoints\x18\x0f \x03(\x0b\x32\x1b.kvrelay.v1.CacheBreakpoint\"y\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xbe\x02\n\rPrefillHeader\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12-\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x66irst_token_position\x18\x07 \x01(\r\x12\x15\n\rnum_kv_tokens\x18\x08 \x01(\r\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\r\n\x05\x63rc32\x18\n \x01(\r\"\x9a\x01\n\x07KVChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0bstart_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12!\n\x03ipc\x18\x06 \x01(\x0b\x32\x14.kvrelay.v1.IpcSlice\x12\x17\n\x0f\x64\x65vice_checksum\x18\x07 \x01(\x06\"\xb0\x01\n\x08IpcSlice\x12*\n\x04\x63uda\x18\x01 \x01(\x0b\x32\x1a.kvrelay.v1.CudaIpcStorageH\x00\x12.\n\x03shm\x18\x02 \x01(\x0b\x32\x1f.kvrelay.v1.SharedMemoryStorageH\x00\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\rB\t\n\x07storage\"\xb5\x01\n\x0e\x43udaIpcStorage\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"H\n\x13SharedMemoryStorage\x12\x0f\n\x07manager\x18\x01 \x01(\x0c\x12\x0c\n\x04name\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"l\n\x0fPrefillResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.kvrelay.v1.PrefillHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.kvrelay.v1.KVChunkH\x00\x42\x06\n\x04item2O\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/v1/kv_transfer.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/worker.proto\"\xa2\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\x0fnum_skip_tokens\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x11\n\ttransport\x18\t \x01(\t\x12\x12\n\nrendezvous\x18\n \x01(\t\x12\x11\n\ttorch_tag\x18\x0b \x01(\r\x12\x11\n\tkv_device\x18\x0c \x01(\t\x12\x12\n\nipc_domain\x18\r \x01(\t\x12\x14\n\x0ckv_checksums\x18\x0e \x03(\t\x12\x36\n\x11\x63\x61\x63he_breakpoints\x18\x0f \x03(\x0b\x32\x1b.kvrelay.v1.CacheBreakpoint\x12\x19\n\x11\x65ncoder_token_ids\x18\x10 \x03(\r\"y\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xbe\x02\n\rPrefillHeader\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12-\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x66irst_token_position\x18\x07 \x01(\r\x12\x15\n\rnum_kv_tokens\x18\x08 \x01(\r\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\r\n\x05\x63rc32\x18\n \x01(\r\"\x9a\x01\n\x07KVChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0bstart_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12!\n\x03ipc\x18\x06 \x01(\x0b\x32\x14.kvrelay.v1.IpcSlice\x12\x17\n\x0f\x64\x65vice_checksum\x18\x07 \x01(\x06\"\xb0\x01\n\x08IpcSlice\x12*\n\x04\x63uda\x18\x01 \x01(\x0b\x32\x1a.kvrelay.v1.CudaIpcStorageH\x00\x12.\n\x03shm\x18\x02 \x01(\x0b\x32\x1f.kvrelay.v1.SharedMemoryStorageH\x00\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\rB\t\n\x07storage\"\xb5\x01\n\x0e\x43udaIpcStorage\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"H\n\x13SharedMemoryStorage\x12\x0f\n\x07manager\x18\x01 \x01(\x0c\x12\x0c\n\x04name\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"l\n\x0fPrefillResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.kvrelay.v1.PrefillHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.kvrelay.v1.KVChunkH\x00\x42\x06\n\x04item2O\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.kv_transfer_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=70
-  _globals['_PREFILLREQUEST']._serialized_end=461
-  _globals['_KVLAYOUT']._serialized_start=463
-  _globals['_KVLAYOUT']._serialized_end=584
-  _globals['_PREFILLHEADER']._serialized_start=587
-  _globals['_PREFILLHEADER']._serialized_end=905
-  _globals['_KVCHUNK']._serialized_start=908
-  _globals['_KVCHUNK']._serialized_end=1062
-  _globals['_IPCSLICE']._serialized_start=1065
-  _globals['_IPCSLICE']._serialized_end=1241
-  _globals['_CUDAIPCSTORAGE']._serialized_start=1244
-  _globals['_CUDAIPCSTORAGE']._serialized_end=1425
-  _globals['_SHAREDMEMORYSTORAGE']._serialized_start=1427
-  _globals['_SHAREDMEMORYSTORAGE']._serialized_end=1499
-  _globals['_PREFILLRESPONSE']._serialized_start=1501
-  _globals['_PREFILLRESPONSE']._serialized_end=1609
-  _globals['_PREFILL']._serialized_start=1611
-  _globals['_PREFILL']._serialized_end=1690
+  _globals['_PREFILLREQUEST']._serialized_end=488
+  _globals['_KVLAYOUT']._serialized_start=490
+  _globals['_KVLAYOUT']._serialized_end=611
+  _globals['_PREFILLHEADER']._serialized_start=614
+  _globals['_PREFILLHEADER']._serialized_end=932
+  _globals['_KVCHUNK']._serialized_start=935
+  _globals['_KVCHUNK']._serialized_end=1089
+  _globals['_IPCSLICE']._serialized_start=1092
+  _globals['_IPCSLICE']._serialized_end=1268
+  _globals['_CUDAIPCSTORAGE']._serialized_start=1271
+  _globals['_CUDAIPCSTORAGE']._serialized_end=1452
+  _globals['_SHAREDMEMORYSTORAGE']._serialized_start=1454
+  _globals['_SHAREDMEMORYSTORAGE']._serialized_end=1526
+  _globals['_PREFILLRESPONSE']._serialized_start=1528
+  _globals['_PREFILLRESPONSE']._serialized_end=1636
+  _globals['_PREFILL']._serialized_start=1638
+  _globals['_PREFILL']._serialized_end=1717
 # @@protoc_insertion_point(module_scope)

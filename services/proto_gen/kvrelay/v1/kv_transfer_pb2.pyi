@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "num_skip_tokens", "model_fingerprint", "kv_dtype", "transport", "rendezvous", "torch_tag", "kv_device", "ipc_domain", "kv_checksums", "cache_breakpoints")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "num_skip_tokens", "model_fingerprint", "kv_dtype", "transport", "rendezvous", "torch_tag", "kv_device", "ipc_domain", "kv_checksums", "cache_breakpoints", "encoder_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class PrefillRequest(_message.Message):
     IPC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BREAKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -39,7 +40,8 @@ class PrefillRequest(_message.Message):
     ipc_domain: str
     kv_checksums: _containers.RepeatedScalarFieldContainer[str]
     cache_breakpoints: _containers.RepeatedCompositeFieldContainer[_worker_pb2.CacheBreakpoint]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., num_skip_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., transport: _Optional[str] = ..., rendezvous: _Optional[str] = ..., torch_tag: _Optional[int] = ..., kv_device: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., kv_checksums: _Optional[_Iterable[str]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[_worker_pb2.CacheBreakpoint, _Mapping]]] = ...) -> None: ...
+    encoder_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., num_skip_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., transport: _Optional[str] = ..., rendezvous: _Optional[str] = ..., torch_tag: _Optional[int] = ..., kv_device: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., kv_checksums: _Optional[_Iterable[str]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[_worker_pb2.CacheBreakpoint, _Mapping]]] = ..., encoder_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "device")

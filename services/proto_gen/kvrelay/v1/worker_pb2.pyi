@@ -74,7 +74,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_key", "cache_salt", "priority", "deadline_unix_ms", "remote_prefill", "cache_breakpoints")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_key", "cache_salt", "priority", "deadline_unix_ms", "remote_prefill", "cache_breakpoints", "encoder_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class GenerateRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     CACHE_BREAKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -93,7 +94,8 @@ class GenerateRequest(_message.Message):
     deadline_unix_ms: int
     remote_prefill: RemotePrefill
     cache_breakpoints: _containers.RepeatedCompositeFieldContainer[CacheBreakpoint]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_key: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ...) -> None: ...
+    encoder_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_key: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ..., encoder_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CacheBreakpoint(_message.Message):
     __slots__ = ("num_tokens", "ttl_s")
@@ -172,7 +174,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain", "directory_fingerprint", "weights", "small_step_max_tokens", "small_step_source", "weight_bytes", "numerics")
+    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain", "directory_fingerprint", "weights", "small_step_max_tokens", "small_step_source", "weight_bytes", "numerics", "encoder_decoder", "decoder_start_token_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +192,8 @@ class InfoResponse(_message.Message):
     SMALL_STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_DECODER_FIELD_NUMBER: _ClassVar[int]
+    DECODER_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -207,7 +211,9 @@ class InfoResponse(_message.Message):
     small_step_source: str
     weight_bytes: int
     numerics: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., directory_fingerprint: _Optional[str] = ..., weights: _Optional[str] = ..., small_step_max_tokens: _Optional[int] = ..., small_step_source: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
+    encoder_decoder: bool
+    decoder_start_token_id: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., directory_fingerprint: _Optional[str] = ..., weights: _Optional[str] = ..., small_step_max_tokens: _Optional[int] = ..., small_step_source: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., numerics: _Optional[str] = ..., encoder_decoder: _Optional[bool] = ..., decoder_start_token_id: _Optional[int] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("total", "active", "cached", "free")
