@@ -45,6 +45,10 @@ Stages, in the default order (most value first; cheap ones early):
   12 tiers       the host KV tier below the device pool: a prompt's four 64-token segments written through to
                 host memory, the pool emptied, the same prompt again loading them: the fp32 greedy tokens
                 equal the cold answer's, 256 cached tokens; the fetch rate (< 30 s)
+  13 t5         an encoder-decoder model (tiny random T5, gated GELU) served by the engine on the device and
+                on the CPU from one state dict: six batched sources of 1 to 90 tokens, 16 greedy fp32 tokens
+                each, equal up to a near-tie (top-2 margin under 1e-3), every block back (< 30 s;
+                scripts/gpu_check_t5.py)
   9 ipc         a 256 MiB (--ipc-mib) CUDA IPC transfer between two processes on one GPU through
                 services/kvtransfer/ipc_transport.py: this process fills and `share`s a buffer, a fresh
                 interpreter `open_shared`s it and copies it out; device checksums and IPC domains equal on
@@ -101,11 +105,12 @@ from gpu_check_model import (
     stage_smoke,
     stage_speed,
 )
+from gpu_check_t5 import stage_t5
 from gpu_check_transfer import stage_cancel, stage_ipc, stage_nccl, stage_tiers
 
 gpu_check_wheels.register_trace()  # a no-op unless KVRELAY_IMPORT_TRACE is set (children too)
 
-DEFAULT_STAGES = "0,1,2,4,6,7,8,3,11,12,9,10,5"
+DEFAULT_STAGES = "0,1,2,4,6,7,8,3,11,12,13,9,10,5"
 PROBED = ("torch", "triton", "transformers", "numpy", "protobuf", "grpcio", "pydantic", "pydantic-core",
           "safetensors", "pyyaml", "prometheus-client", "llguidance")  # fmt: skip
 BUNDLE = "gpu_check.tar.gz"
@@ -142,6 +147,7 @@ STAGES: dict[int, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = 
     10: ("nccl", stage_nccl),
     11: ("cancel", stage_cancel),
     12: ("tiers", stage_tiers),
+    13: ("t5", stage_t5),
 }
 
 

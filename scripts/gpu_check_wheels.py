@@ -57,7 +57,8 @@ PLATFORMS = (
     "manylinux2014_x86_64",
 )
 LOCAL_MODULES = {"services", "tests", "gpu_check", "gpu_check_model", "gpu_check_kernels",
-                 "gpu_check_transfer", "gpu_check_wheels", "sitecustomize", "usercustomize"}  # fmt: skip
+                 "gpu_check_transfer", "gpu_check_t5", "gpu_check_wheels", "sitecustomize",
+                 "usercustomize"}  # fmt: skip
 
 
 def normalize(name: str) -> str:

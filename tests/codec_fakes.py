@@ -135,6 +135,7 @@ class FakeBackend:
     is_closed: bool = False
     model_fingerprint: str = "fake-model-fp"  # the workers' served one: responses' system_fingerprint
     numerics: str = "default"
+    encoder_decoder: bool = False  # serve as an encoder-decoder model (its decoder starts at token 0)
 
     def reset(self) -> None:
         self.script = lambda request: []
@@ -151,7 +152,7 @@ class FakeBackend:
             raise BackendUnavailableError("fake backend is down")
         return BackendInfo(
             MODEL_NAME, self.max_model_len, 16, self.model_fingerprint, self.tokenizer_fingerprint,
-            self.vocab_size, self.numerics,
+            self.vocab_size, self.numerics, encoder_decoder=self.encoder_decoder,
         )  # fmt: skip
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:

@@ -154,6 +154,12 @@ class FakeRunner:
         for i in range(kv.shape[1]):
             self.slots[self._slot(block_ids, start + i)] = (int(kv[0, i, 0, 0, 0]), int(kv[0, i, 1, 0, 0]))
 
+    def write_cross(self, request: Request, encoder_states: torch.Tensor) -> None:
+        raise NotImplementedError("the fake runner serves decoder-only models")
+
+    def take_encoder_times(self) -> list[float]:
+        return []  # decoder-only: never encodes
+
     def computed_for(self, seq_id: SeqId) -> list[tuple[int, int]]:
         """The position ranges (start, end) computed for one sequence, in order."""
         return [(c.start, c.end) for c in self.computed if c.seq_id == seq_id]

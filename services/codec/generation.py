@@ -15,7 +15,9 @@ their sample (a final TextDelta with empty text carries any left over). No proto
 Step timeout: once the first delta has come, each next one must come within `limits.step_timeout_ms`
 (the longest gap between two tokens of one request); past it the stream raises StepTimeoutError and
 is closed, which aborts the request behind us. The wait for the first token is not a step (it
-includes queueing and the whole prefill); the request timeout bounds it.
+includes queueing and the whole prefill); the request timeout bounds it, and for an encoder-decoder
+request `limits.encoder_timeout_ms` too (its queue, encoder pass and first step: EncoderTimeoutError,
+a 504 before any byte).
 
 `start(..., on_close=...)` runs an async callback once when the stream closes, however it closes, with
 the tokens the request used (prompt + generated so far), or None when the backend produced nothing:
@@ -44,6 +46,7 @@ from services.codec.backend.protocol import (
     TokenDelta,
 )
 from services.codec.backend.results import ResultCache, replay
+from services.codec.errors import SERVER_ERROR, WireError
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.text.detokenizer import IncrementalDetokenizer
 from services.codec.text.stop_strings import StopStringMatcher
@@ -94,6 +97,19 @@ def build_sampling(
     return params
 
 
+class EncoderTimeoutError(StepTimeoutError):
+    """An encoder-decoder request's first token took longer than `limits.encoder_timeout_ms`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        BackendFailedError.__init__(
+            self, f"no first token within {timeout_s * 1000:.0f} ms (limits.encoder_timeout_ms); aborted"
+        )
+        self.timeout_s = timeout_s
+
+    def wire_error(self) -> WireError:
+        return WireError(504, str(self), SERVER_ERROR, code="encoder_timeout")
+
+
 class Generator:
     """Starts generations on one backend and counts them (for /status)."""
 
@@ -106,7 +122,9 @@ class Generator:
         step_timeout_s: float | None = None,
         on_step_timeout: Callable[[], None] | None = None,
         results: ResultCache | None = None,
+        encoder_timeout_s: float | None = None,
     ) -> None:
+        self.encoder_timeout_s = encoder_timeout_s  # an encoder-decoder request's first token
         self._backend = backend
         self.results = results  # the exact-result cache; None: off
         self._tokenizer = tokenizer
@@ -147,6 +165,7 @@ class Generator:
             self._on_close,
             step_timeout_s=self.step_timeout_s,
             on_step_timeout=self._on_step_timeout,
+            first_timeout_s=self.encoder_timeout_s if request.encoder_token_ids else None,
             on_close_async=on_close,
             record=record,
         )
@@ -175,10 +194,12 @@ class GenerationStream:
         *,
         step_timeout_s: float | None = None,
         on_step_timeout: Callable[[], None] | None = None,
+        first_timeout_s: float | None = None,
         on_close_async: OnClose | None = None,
         record: Recorder | None = None,
     ) -> None:
         self._iterator = iterator
+        self._first_timeout_s = first_timeout_s  # None: only the request's deadline bounds the first
         self._record = record  # given every delta applied, once every sample has finished
         self._applied: list[TokenDelta] = []
         self._request = request
@@ -264,7 +285,9 @@ class GenerationStream:
     async def _next_delta(self) -> TokenDelta | None:
         if self._is_closed:
             return None
-        timeout_s = self._step_timeout_s if self._num_deltas else None  # the first token is no step
+        timeout_s = (
+            self._step_timeout_s if self._num_deltas else self._first_timeout_s
+        )  # the first is no step
         delta: TokenDelta | None = None
         try:
             with anyio.move_on_after(timeout_s) as step:
@@ -274,6 +297,8 @@ class GenerationStream:
         if step.cancelled_caught:  # our deadline: cancelling `anext` aborted the backend stream
             if self._on_step_timeout is not None:
                 self._on_step_timeout()
+            if not self._num_deltas:
+                raise EncoderTimeoutError(timeout_s or 0.0)
             raise StepTimeoutError(timeout_s or 0.0)
         assert delta is not None
         self._num_deltas += 1

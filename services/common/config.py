@@ -113,6 +113,11 @@ class LimitsConfig(_Section):
     # None: the device's default (engine/loading/device.py: 32 sequences on a CPU, 256 on a GPU)
     batch_size_limit: int | None = Field(default=None, gt=0)
     step_timeout_ms: int = Field(default=2000, gt=0)
+    # Encoder-decoder models: the longest wait for a request's first token (the worker's queue, the
+    # encoder pass and the first decoder step); past it the request is aborted (a 504). Their deployments
+    # must keep encoder_timeout_ms + step_timeout_ms x max_output_tokens within request_timeout_ms
+    # (encoder_timeout_problem), which a worker serving one checks at start.
+    encoder_timeout_ms: int = Field(default=30_000, gt=0)
     request_timeout_ms: int = Field(default=2_400_000, gt=0)
     concurrency_limit: int = Field(default=64, gt=0)
     queue_limit: int = Field(default=256, gt=0)
@@ -351,6 +356,22 @@ class KvrelayConfig(_Section):
         if problems:
             raise PydanticCustomError("config_conflict", "{problems}", {"problems": "\n".join(problems)})
         return self
+
+
+def encoder_timeout_problem(limits: LimitsConfig) -> str | None:
+    """The timeout rule of an encoder-decoder deployment, whose first token waits for the encoder: the
+    encoder timeout plus every step's timeout must fit the request timeout. None when it holds."""
+    worst_case_ms = limits.encoder_timeout_ms + limits.step_timeout_ms * limits.max_output_tokens
+    if worst_case_ms <= limits.request_timeout_ms:
+        return None
+    return (
+        f"limits.encoder_timeout_ms ({limits.encoder_timeout_ms}) + limits.step_timeout_ms "
+        f"({limits.step_timeout_ms}) × limits.max_output_tokens ({limits.max_output_tokens}) = "
+        f"{worst_case_ms} ms exceeds limits.request_timeout_ms ({limits.request_timeout_ms}): an "
+        "encoder-decoder request would be cut off by the request timeout while neither its encoder nor a "
+        "step had timed out; raise "
+        f"limits.request_timeout_ms to at least {worst_case_ms} or lower the others"
+    )
 
 
 def _cross_field_problems(cfg: KvrelayConfig) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -39,7 +39,13 @@ from services.common.proto_convert import (
 )
 from services.engine.async_engine import AsyncEngine
 from services.engine.kv_export import dtype_name
-from services.kvtransfer.chunks import KVAssembler, KVTransferFault, Layout, check_header_checksum
+from services.kvtransfer.chunks import (
+    KVAssembler,
+    KVTransferFault,
+    Layout,
+    check_header_checksum,
+    encoder_states_from_proto,
+)
 from services.kvtransfer.ipc_transport import IpcUnavailable
 from services.kvtransfer.transport import GrpcReceiver, KVReceiver
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
@@ -78,8 +84,12 @@ class RemotePrefill:
         transfer_timeout_s: float,
         receivers: Mapping[str, KVReceiver] | None = None,
         tls: TlsConfig | None = None,
+        encoder_width: int = 0,
     ) -> None:
+        """`encoder_width`: an encoder-decoder model's d_model, the width of the encoder output a prefill
+        replica ships with its KV; 0 for a decoder-only model."""
         self.tls = tls or TlsConfig()
+        self.encoder_width = encoder_width
         self.engine = engine
         self.model_fingerprint = model_fingerprint
         self.layout = layout
@@ -118,6 +128,8 @@ class RemotePrefill:
                 return
             trace.decoding()
             async for output in self.engine.outputs(request_id):
+                if output.encode_times_ns is not None:  # the fallback encoded the source here
+                    trace.encoded(*output.encode_times_ns, len(engine_input.encoder_token_ids))
                 response = output_to_proto(output)
                 if transfer.mode == pb.PREFILL_MODE_REMOTE:
                     response.num_cached_tokens = transfer.num_cached_tokens
@@ -209,6 +221,7 @@ class RemotePrefill:
             sampling=request.sampling,
             cache_salt=request.cache_salt,
             cache_breakpoints=request.cache_breakpoints,
+            encoder_token_ids=request.encoder_token_ids,
             priority=request.priority,
             num_skip_tokens=num_skip,
             model_fingerprint=self.model_fingerprint,
@@ -274,7 +287,7 @@ class RemotePrefill:
         check_header_checksum(header)  # first: none of its fields is trusted before
         if header.model_fingerprint != self.model_fingerprint:
             raise KVTransferFault(f"KV from model {header.model_fingerprint!r}, not this replica's")
-        check_header(header, request, self.vocab_size)
+        check_header(header, request, self.vocab_size, self.encoder_width)
         return header
 
     async def _receive(
@@ -289,6 +302,13 @@ class RemotePrefill:
         receiver = self.receivers.get(prefill_request.transport)
         if receiver is None:
             raise KVTransferFault(f"transport {prefill_request.transport!r} is not offered here")
+        states, num_state_bytes = None, 0
+        if header.num_encoder_tokens:  # an encoder-decoder request: the encoder output comes first
+            item = await anext(responses)
+            if item.WhichOneof("item") != "encoder_states":
+                raise KVTransferFault("the encoder states did not follow the header")
+            states = encoder_states_from_proto(item.encoder_states, header, self.device)
+            num_state_bytes = len(item.encoder_states.data)
         try:
             while not assembler.is_complete:
                 item = await anext(responses)
@@ -301,13 +321,13 @@ class RemotePrefill:
                 transfer.transport = "grpc" if ipc_as_bytes else prefill_request.transport
         finally:
             receiver.release(prefill_request)  # complete or not: nothing of this transfer is held
-        export = assembler.export()
+        export = replace(assembler.export(), encoder_states=states)
         if transfer.first is None:
             raise KVTransferFault("KV arrived without a first token")
         self.engine.install_remote(request_id, transfer.first, export)
-        transfer.num_bytes = assembler.num_bytes
+        transfer.num_bytes = assembler.num_bytes + num_state_bytes
         transfer.mode = pb.PREFILL_MODE_REMOTE
-        self.counters.bytes_total += assembler.num_bytes
+        self.counters.bytes_total += transfer.num_bytes
         self.counters.remote_prefills_total += 1
 
     def _fall_back(self, request_id: str, address: str, transfer: _Transfer, exc: BaseException) -> None:
@@ -348,10 +368,13 @@ def _first_response(header: kvpb.PrefillHeader, with_logprobs: bool) -> pb.Gener
     )
 
 
-def check_header(header: kvpb.PrefillHeader, request: kvpb.PrefillRequest, vocab_size: int) -> None:
+def check_header(
+    header: kvpb.PrefillHeader, request: kvpb.PrefillRequest, vocab_size: int, encoder_width: int = 0
+) -> None:
     """A prefill replica's header checked against the request it answers, before anything is allocated
     for it: the KV must start where this replica asked, cover exactly the rest of the prompt, come in a
-    possible number of chunks, and follow a first token from the vocabulary."""
+    possible number of chunks, and follow a first token from the vocabulary; an encoder-decoder request's
+    encoder output must cover its source at this model's width (`encoder_width`, its d_model)."""
     num_prompt = len(request.prompt_token_ids)
     if header.num_prompt_tokens != num_prompt or header.first_token_position != request.num_skip_tokens:
         raise KVTransferFault(
@@ -362,6 +385,13 @@ def check_header(header: kvpb.PrefillHeader, request: kvpb.PrefillRequest, vocab
         raise KVTransferFault(f"first token {header.first_token.token_id} is outside the vocabulary")
     if header.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
         return  # the first token ended the request: no KV follows
+    num_source = len(request.encoder_token_ids)
+    expected = (num_source, encoder_width if num_source else 0)
+    if (header.num_encoder_tokens, header.encoder_width if header.num_encoder_tokens else 0) != expected:
+        raise KVTransferFault(
+            f"the header promises encoder states of {header.num_encoder_tokens} x {header.encoder_width}; "
+            f"{expected[0]} x {expected[1]} are due"
+        )
     num_kv = num_prompt - request.num_skip_tokens
     if header.num_kv_tokens != num_kv or not 1 <= header.num_chunks <= num_kv:
         raise KVTransferFault(

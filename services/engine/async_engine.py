@@ -97,7 +97,9 @@ class _KVSubscriber:
 class StepObserver(Protocol):
     """Told about every engine step, on the engine thread: keep it cheap and thread-safe."""
 
-    def observe_step(self, seconds: float, num_tokens: int, queue_times: list[float]) -> None: ...
+    def observe_step(
+        self, seconds: float, num_tokens: int, queue_times: list[float], encoder_times: Sequence[float] = ()
+    ) -> None: ...
 
 
 class AsyncEngine:
@@ -409,9 +411,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _observe(self, seconds: float, outputs: list[RequestOutput]) -> None:
-        queue_times = self.core.take_queue_times()
+        queue_times, encoder_times = self.core.take_queue_times(), self.core.take_encoder_times()
         if self.observer is not None:
-            self.observer.observe_step(seconds, len(outputs), queue_times)
+            self.observer.observe_step(seconds, len(outputs), queue_times, encoder_times)
 
     def _drain_commands(self) -> None:
         while True:

@@ -75,6 +75,9 @@ class RequestOutput:
     num_cached_tokens: int
     kv: KVExport | None = None  # prefill replica: the request stops here and its KV goes to decode
     num_cache_written_tokens: tuple[int, ...] = ()  # per cache breakpoint (engine_input.cache_written_tokens)
+    # An encoder-decoder sequence's encoder pass (wall-clock ns, start and end), on its first output after
+    # it: the worker's encode span.
+    encode_times_ns: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -127,6 +130,10 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled here, every request and sample together
     # Steps by the path the model's layers took (models/llama.py STEP_PATHS); empty for a family with one
     steps_by_path: dict[str, int] = field(default_factory=dict)
+    # Encoder-decoder models: sequences and source tokens this engine encoded (a decode replica encodes
+    # only what it recomputes: the prefill replica ships the encoder output).
+    num_encoded_sequences: int = 0
+    num_encoded_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,10 +277,6 @@ class EngineCore:
         prompt, params = request.prompt_token_ids, request.params
         is_encoder_decoder = self.model_config.is_encoder_decoder
         check_encoder_input(request.encoder_token_ids, is_encoder_decoder, self.max_model_len)
-        if is_encoder_decoder and export_kv_from is not None:
-            raise InvalidRequestError(
-                "an encoder-decoder model is not split between prefill and decode replicas yet", param="model"
-            )
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(len(prompt), params.max_tokens, self.max_model_len)
         if export_kv_from is not None and (params.n != 1 or not 0 <= export_kv_from < len(prompt)):
@@ -356,6 +359,15 @@ class EngineCore:
                 f"KV for positions {export.start_token}..{export.start_token + num_tokens} does not fit "
                 f"a reservation of {request.num_computed_tokens}..{request.num_prompt_tokens}"
             )
+        if request.encoder_token_ids:  # the cross KV from the shipped encoder output
+            states = export.encoder_states
+            expected = (len(request.encoder_token_ids), self.model_config.hidden_size)
+            if states is None or tuple(states.shape) != expected:
+                got = None if states is None else tuple(states.shape)
+                raise KVTransferError(
+                    f"encoder states of shape {got} do not fit a source of shape {expected}"
+                )
+            self.runner.write_cross(request, states)
         self.runner.write_kv(request.block_ids, export.start_token, export.kv)
         self.scheduler.start_remote(request)
         self._append_first(request, first)
@@ -478,11 +490,13 @@ class EngineCore:
         """Copy out a prefill-only request's prompt KV, then finish it (its blocks stay cached here)."""
         start = request.export_kv_from or 0
         kv = self.runner.read_kv(request.block_ids, start, request.num_prompt_tokens)
+        states, request.encoder_output = request.encoder_output, None
         self.scheduler.finish(request, FinishReason.HANDOFF)
-        return KVExport(start, kv)
+        return KVExport(start, kv, states)
 
     def _output(self, request: Request, sampled: TokenLogprob, reason: FinishReason | None) -> RequestOutput:
         kv = self._export(request) if request.export_kv_from is not None and reason is None else None
+        encoded, request.encode_times_ns = request.encode_times_ns, None
         return RequestOutput(
             request_id=request.parent_id,
             index=request.sample_index,
@@ -493,6 +507,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             kv=kv,
             num_cache_written_tokens=self._written(request),
+            encode_times_ns=encoded,
         )
 
     def _written(self, request: Request) -> tuple[int, ...]:
@@ -545,6 +560,10 @@ class EngineCore:
         """Seconds from arrival to first admission of each request admitted since the last call."""
         return self.scheduler.take_queue_times()
 
+    def take_encoder_times(self) -> list[float]:
+        """Seconds of each batched encoder pass since the last call (encoder-decoder models)."""
+        return self.runner.take_encoder_times()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.requests) - len(self.scheduler.waiting),
@@ -557,6 +576,8 @@ class EngineCore:
             num_aborted=self.num_aborted,
             num_generated_tokens=self.scheduler.num_generated_tokens,
             steps_by_path=dict(getattr(getattr(self.runner, "model", None), "num_steps_by_path", {})),
+            num_encoded_sequences=getattr(self.runner, "num_encoded_sequences", 0),
+            num_encoded_tokens=getattr(self.runner, "num_encoded_tokens", 0),
         )
 
     def tier_report(self) -> TierReport | None:

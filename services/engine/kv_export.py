@@ -24,10 +24,14 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
 
 @dataclass(frozen=True)
 class KVExport:
-    """The KV of prompt positions start_token.. of one request, every layer: what a prefill replica ships."""
+    """The KV of prompt positions start_token.. of one request, every layer, and an encoder-decoder
+    request's encoder output: what a prefill replica ships."""
 
     start_token: int
     kv: torch.Tensor  # [num_layers, num_tokens, 2, num_kv_heads, head_dim], on the engine's device
+    # An encoder-decoder request's encoder output [num_source_tokens, d_model]: the decode replica builds
+    # the cross-attention KV from it (docs/encoder-decoder.md). None for a decoder-only model.
+    encoder_states: torch.Tensor | None = None
 
 
 class KVTransferError(InvalidRequestError):

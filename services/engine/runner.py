@@ -8,6 +8,7 @@ with a grammar get their masks filled on the host once the forward is queued (gr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,11 @@ class ModelRunner:
         # Python work while the forward runs without the GIL instead of stalling the step's set-up.
         self._before_forward: Callable[[], None] | None = None
         self._previous: _Sampled | None = None
+        # Encoder-decoder models: each batched encoder pass's seconds since `take_encoder_times`, and
+        # the sequences and source tokens encoded here so far.
+        self._encoder_times: list[float] = []
+        self.num_encoded_sequences = 0
+        self.num_encoded_tokens = 0
         self.graphs: DecodeGraphs | None = None  # decode steps replay captured graphs (cuda_graphs.py)
         self.grammar_mask = GrammarMask(vocab_size, self.device)
 
@@ -139,10 +145,33 @@ class ModelRunner:
         new = [(c.request, row) for c, row in zip(chunks, rows, strict=True) if c.request.needs_encoding]
         if new:
             sources = [request.encoder_token_ids for request, _ in new]
-            self.model.encode_into(sources, [row for _, row in new], self.kv_caches, self.block_size)  # type: ignore[attr-defined]
-            for request, _ in new:
+            encode_into = self.model.encode_into  # type: ignore[attr-defined]  # T5ForEngine's
+            started_ns = time.time_ns()
+            outputs = encode_into(sources, [row for _, row in new], self.kv_caches, self.block_size)
+            ended_ns = time.time_ns()
+            self._encoder_times.append((ended_ns - started_ns) / 1e9)
+            self.num_encoded_sequences += len(new)
+            self.num_encoded_tokens += sum(len(source) for source in sources)
+            for (request, _), output in zip(new, outputs, strict=True):
                 request.needs_encoding = False
+                request.encode_times_ns = (started_ns, ended_ns)
+                if request.export_kv_from is not None:  # a prefill replica ships it (core._export)
+                    request.encoder_output = output
         return rows
+
+    def take_encoder_times(self) -> list[float]:
+        """The seconds of each batched encoder pass since the last call (host time: on a GPU, the time to
+        queue the pass and its cross KV writes)."""
+        times, self._encoder_times = self._encoder_times, []
+        return times
+
+    def write_cross(self, request: Request, encoder_states: torch.Tensor) -> None:
+        """A decode replica's encoder-decoder request: its cross KV from the encoder output a prefill
+        replica shipped [S, d_model], into its cross blocks; it needs no encoding here then."""
+        states = encoder_states.to(self.device, self.weight_dtype)
+        row = CrossRow(request.cross_block_ids, len(request.encoder_token_ids))
+        self.model.write_cross(states, row, self.kv_caches, self.block_size)  # type: ignore[attr-defined]
+        request.needs_encoding = False
 
     def _fill_placeholders(self, token_tensor: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
         """Write the previous launch's picks (still on the device) over this step's PLACEHOLDER inputs:

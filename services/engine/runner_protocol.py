@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from services.common.outputs import TokenLogprob
-from services.engine.scheduling.request import SeqId
+from services.engine.scheduling.request import Request, SeqId
 from services.engine.scheduling.scheduler import SchedulerOutput
 
 
@@ -79,4 +79,12 @@ class Runner(Protocol):
 
     def write_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
         """Store `kv` [num_layers, num_tokens, 2, kv_heads, head_dim] at positions start.. ."""
+        ...
+
+    def write_cross(self, request: Request, encoder_states: torch.Tensor) -> None:
+        """An encoder-decoder request's cross KV from a shipped encoder output [S, d_model]."""
+        ...
+
+    def take_encoder_times(self) -> list[float]:
+        """Seconds of each batched encoder pass since the last call (encoder-decoder models)."""
         ...

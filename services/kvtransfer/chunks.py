@@ -129,6 +129,32 @@ def from_bytes(data: bytes, layout: Layout, num_tokens: int) -> torch.Tensor:
     return flat.view(layout.dtype).view(shape)  # [num_layers, num_tokens, 2, kv_heads, head_dim]
 
 
+def encoder_states_to_proto(states: torch.Tensor) -> kvpb.EncoderStates:
+    """An encoder-decoder request's encoder output [S, d_model], as the message after the header."""
+    data = states.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return kvpb.EncoderStates(data=data, crc32=checksum(data))
+
+
+def encoder_states_from_proto(
+    message: kvpb.EncoderStates, header: kvpb.PrefillHeader, device: torch.device
+) -> torch.Tensor:
+    """The encoder output the header announced [num_encoder_tokens, encoder_width], on `device`; a
+    KVTransferFault for a dtype, size or checksum that does not match (check_header checked the rest)."""
+    dtype = KV_DTYPES.get(header.encoder_dtype)
+    if dtype is None:
+        raise KVTransferFault(f"encoder states in {header.encoder_dtype!r}, not a dtype this replica reads")
+    shape = (header.num_encoder_tokens, header.encoder_width)
+    expected = shape[0] * shape[1] * dtype.itemsize
+    if len(message.data) != expected:
+        raise KVTransferFault(
+            f"encoder states hold {len(message.data)} bytes; {shape} in {dtype} need {expected}"
+        )
+    if checksum(message.data) != message.crc32:
+        raise KVTransferFault("encoder states checksum mismatch")
+    flat = torch.frombuffer(bytearray(message.data), dtype=torch.uint8)
+    return flat.view(dtype).view(shape).to(device)
+
+
 class KVAssembler:
     """Collects a request's chunks into one KV tensor, checking each against the header's promises."""
 

@@ -3,14 +3,14 @@
 The decode replica that calls has already reserved blocks for the prompt. This side refuses a caller
 with another model or KV dtype (FAILED_PRECONDITION, before any work), runs the prompt through its own
 engine (chunked prefill and prefix caching as usual), and answers with one PrefillHeader and then the
-KV chunks of every prompt position from `num_skip_tokens` on. If the first token already ends the
-request, the header says so and no KV follows. The header is sealed with a CRC-32 of its fields (the
-chunks carry their own). The request's values are range-checked first (INVALID_ARGUMENT), and a request
-ID this process's engine already runs is refused (ALREADY_EXISTS) without touching the running one; the
-ID is held only while the engine runs the prompt, so a decode replica that pulls the same KV again (the
-ipc transport's way out) is not refused by the call it has just cancelled. A cancelled call (the decode
-side or the client went away, or the deadline passed) aborts the request here, so its blocks go back to
-the pool.
+KV chunks of every prompt position from `num_skip_tokens` on (an encoder-decoder request's encoder
+output goes between the two). If the first token already ends the request, the header says so and no KV
+follows. The header is sealed with a CRC-32 of its fields (the chunks carry their own). The request's
+values are range-checked first (INVALID_ARGUMENT), and a request ID this process's engine already runs is
+refused (ALREADY_EXISTS) without touching the running one; the ID is held only while the engine runs the
+prompt, so a decode replica that pulls the same KV again (the ipc transport's way out) is not refused by
+the call it has just cancelled. A cancelled call (the decode side or the client went away, or the
+deadline passed) aborts the request here, so its blocks go back to the pool.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, set_span_in_context
 
 from services.common import tracing
 from services.common.engine_input import check_unique
@@ -37,11 +37,18 @@ from services.common.proto_convert import (
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import RequestOutput
 from services.engine.kv_export import dtype_name
-from services.kvtransfer.chunks import KVTransferFault, Layout, num_chunks, seal_header
+from services.kvtransfer.chunks import (
+    KVTransferFault,
+    Layout,
+    encoder_states_to_proto,
+    num_chunks,
+    seal_header,
+)
 from services.kvtransfer.transport import GrpcSender, KVSender
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2 as kvpb
 from services.proto_gen.kvrelay.v1 import kv_transfer_pb2_grpc
 from services.worker.counters import TransferCounters
+from services.worker.request_trace import encode_span
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +102,18 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             output = await self._first_output(engine_input, request)
             if span.is_recording():
                 span.add_event("first_token", {"kvrelay.cached_tokens": output.num_cached_tokens})
+                if output.encode_times_ns is not None:  # an encoder-decoder request's encoder pass
+                    num_source = len(engine_input.encoder_token_ids)
+                    encode_span(
+                        set_span_in_context(span), request.request_id, *output.encode_times_ns, num_source
+                    )
             sender = self.senders[request.transport or "grpc"]
             header = self._header(request, output, sender.chunk_bytes(request))
             yield kvpb.PrefillResponse(header=header)
+            if output.kv is not None and output.kv.encoder_states is not None:
+                states = encoder_states_to_proto(output.kv.encoder_states)
+                num_bytes += len(states.data)
+                yield kvpb.PrefillResponse(encoder_states=states)
             if output.kv is not None:
                 async with contextlib.aclosing(sender.chunks(request, output.kv, self.layout)) as chunks:
                     async for chunk in chunks:
@@ -159,6 +175,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
     ) -> kvpb.PrefillHeader:
         first = output.logprobs[0] if output.logprobs else TokenLogprob(output.new_token_ids[0], 0.0)
         num_kv = 0 if output.kv is None else output.kv.kv.shape[1]
+        states = None if output.kv is None else output.kv.encoder_states
         header = kvpb.PrefillHeader(
             model_fingerprint=self.model_fingerprint,
             layout=self.layout.to_proto(),
@@ -170,4 +187,7 @@ class PrefillService(kv_transfer_pb2_grpc.PrefillServicer):
             num_kv_tokens=num_kv,
             num_chunks=num_chunks(request.num_skip_tokens, num_kv, self.layout, chunk_bytes),
         )
+        if states is not None:  # an encoder-decoder request's encoder output follows the header
+            header.num_encoder_tokens, header.encoder_width = states.shape
+            header.encoder_dtype = dtype_name(states.dtype)
         return seal_header(header)

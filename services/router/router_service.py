@@ -162,7 +162,9 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> _Route | None:
         """The decode replica (and prefill replica, if any) for this request, skipping `exclude`.
         `hashes` are the prompt's block hashes (prompt_block_hashes), computed once per request."""
-        prompt = request.prompt_token_ids
+        # The tokens a prefill computes: an encoder-decoder request's source (never cached) besides its
+        # decoder prompt.
+        num_input = len(request.prompt_token_ids) + len(request.encoder_token_ids)
         decodes = self._candidates(DECODE_ROLES, exclude, hashes, block_size, request)
         plain = [c for _, c in decodes.values()]
         affinity = (
@@ -170,18 +172,18 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             if self.config.policy == "cost"
             else None
         )
-        if affinity is not None and home_is_busy(decodes[affinity.name][1], plain, self.costs, len(prompt)):
+        if affinity is not None and home_is_busy(decodes[affinity.name][1], plain, self.costs, num_input):
             # The session's home is busy: another replica, which fetches its prefix from below.
-            pick = self.policy.choose([c for c in plain if c.name != affinity.name], len(prompt))
+            pick = self.policy.choose([c for c in plain if c.name != affinity.name], num_input)
             choice = pick and Choice(pick.name, "session_moved", pick.cost_s)
         else:
-            choice = affinity or self.policy.choose(plain, len(prompt))
+            choice = affinity or self.policy.choose(plain, num_input)
         if choice is None:
             return None
         decode, decode_candidate = decodes[choice.name]
         prefill, decision = self._prefill_for(request, decode, decode_candidate, hashes, block_size)
-        num_prefill = len(prompt) - prefill.cached_tokens(hashes, block_size) if prefill else 0
-        num_decode = len(prompt) - decode_candidate.cached_tokens - decode_candidate.below_tokens
+        num_prefill = num_input - prefill.cached_tokens(hashes, block_size) if prefill else 0
+        num_decode = num_input - decode_candidate.cached_tokens - decode_candidate.below_tokens
         return _Route(
             decode, choice, prefill, decision, num_decode, num_prefill, decode_candidate.below_tokens
         )
@@ -196,20 +198,19 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> tuple[Replica | None, Decision]:
         if self.disaggregation.policy == "never":
             return None, Decision(False, "disaggregation_off")
-        if request.encoder_token_ids:  # the split ships decoder KV only (docs/encoder-decoder.md)
-            return None, Decision(False, "encoder_decoder")
         prefills = self._candidates(PREFILL_ROLES, set(), hashes, block_size, request)
         if self.disaggregation.transport == "ipc":  # a prefill replica sharing D's GPU comes first
             paired = {
                 n: p for n, p in prefills.items() if pair_transport("ipc", p[0].info, decode.info) == "ipc"
             }
             prefills = paired or prefills
-        pick = self.prefill_policy.choose([c for _, c in prefills.values()], len(request.prompt_token_ids))
+        num_input = len(request.prompt_token_ids) + len(request.encoder_token_ids)
+        pick = self.prefill_policy.choose([c for _, c in prefills.values()], num_input)
         prefill = prefills[pick.name] if pick else None
         info = decode.info
         transfer = TransferModel(info.kv_bytes_per_token if info else 0, self.transfer_bytes_per_s)
         decision = decide(
-            len(request.prompt_token_ids),
+            num_input,
             request.sampling.n or 1,
             self.disaggregation.min_prompt_tokens,
             prefill[1] if prefill else None,

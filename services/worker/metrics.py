@@ -9,7 +9,7 @@ Every series carries the worker's `role` and `worker` name.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -41,6 +41,13 @@ class WorkerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=self.registry,
         ).labels(**self.labels)
+        self.encoder_seconds = Histogram(
+            "kvrelay_engine_encoder_seconds",
+            "Encoder-decoder models: time of one batched encoder pass (with its cross KV writes).",
+            list(self.labels),
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        ).labels(**self.labels)
         self.transfer_seconds = Histogram(
             "kvrelay_kv_transfer_seconds",
             "Decode side: from the Prefill call's start to the prompt's KV installed (successful transfers).",
@@ -52,10 +59,14 @@ class WorkerMetrics:
     def observe_transfer(self, seconds: float) -> None:
         self.transfer_seconds.observe(seconds)
 
-    def observe_step(self, seconds: float, num_tokens: int, queue_times: list[float]) -> None:
+    def observe_step(
+        self, seconds: float, num_tokens: int, queue_times: list[float], encoder_times: Sequence[float] = ()
+    ) -> None:
         self.step_seconds.observe(seconds)
         for queued in queue_times:
             self.queue_seconds.observe(queued)
+        for encoded in encoder_times:
+            self.encoder_seconds.observe(encoded)
 
     def watch(
         self, engine: AsyncEngine, counters: TransferCounters, *, weight_bytes: int | None = None

@@ -5,6 +5,8 @@
     kv_transfer   the Prefill call: P's first token, then the KV chunks until installed, or the fallback
                   (the prefill replica's "prefill" span is its child)
     decode        from the first output (local prefill) or the installed KV until the request ends
+    encode        an encoder-decoder request's encoder pass here (its batch's, timed by the engine); a
+                  prefill replica's "prefill" span holds its own (services/prefill/prefill_service.py)
 
 Never made current: the Generate stream is an async generator (services/common/tracing.py). With tracing
 off every span is the API's invalid span, so each call here does nothing.
@@ -69,6 +71,10 @@ class RequestTrace:
             )
         tracing.finish(transfer, failure)
 
+    def encoded(self, started_ns: int, ended_ns: int, num_source_tokens: int) -> None:
+        """The engine ran this request's encoder from `started_ns` to `ended_ns` (wall clock)."""
+        encode_span(self._parent, self._request_id, started_ns, ended_ns, num_source_tokens)
+
     def decoding(self) -> None:
         """Decoding starts now (the first local output, or the installed KV); once."""
         self.taken()
@@ -86,3 +92,15 @@ class RequestTrace:
             if span is not None:
                 tracing.finish(span, error)
         self._queue = self._transfer = None
+
+
+def encode_span(
+    parent: Context | None, request_id: str, started_ns: int, ended_ns: int, num_source_tokens: int
+) -> None:
+    """An "encode" span under `parent`, over an encoder pass the engine timed."""
+    attributes: dict[str, str | int] = {
+        "kvrelay.request_id": request_id,
+        "kvrelay.source_tokens": num_source_tokens,
+    }
+    span = tracing.start_span("encode", parent, attributes=attributes, start_time_ns=started_ns)
+    span.end(end_time=ended_ns)

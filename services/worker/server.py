@@ -24,7 +24,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import tracing
-from services.common.config import DisaggregationConfig, KvrelayConfig
+from services.common.config import DisaggregationConfig, KvrelayConfig, encoder_timeout_problem
+from services.common.errors import ConfigError
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_server import drain, stop_on_signals
 from services.common.grpc_tls import add_port
@@ -145,6 +146,10 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     metrics = WorkerMetrics(options.role, options.name)
     engine = AsyncEngine.launch(lambda: build_core(config), metrics)
     core = engine.core
+    problem = encoder_timeout_problem(config.limits) if core.model_config.is_encoder_decoder else None
+    if problem is not None:  # known only now: the model says it is an encoder-decoder
+        engine.shutdown()
+        raise ConfigError(f"invalid configuration for {core.model_config.architecture}: {problem}")
     _keep_torch_single_threaded_here()
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
@@ -159,7 +164,11 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     if options.role != "prefill":
         timeout_s = config.disaggregation.transfer_timeout_ms / 1000
         fingerprint, tls = info.model_fingerprint, config.internal_tls
-        remote = RemotePrefill(engine, fingerprint, layout, tokens, counters, timeout_s, receivers, tls)
+        cfg = core.model_config
+        width = cfg.hidden_size if cfg.is_encoder_decoder else 0  # the encoder output P ships with the KV
+        remote = RemotePrefill(
+            engine, fingerprint, layout, tokens, counters, timeout_s, receivers, tls, encoder_width=width
+        )
     # The grammar compiler (~0.4 s for a 49k vocabulary) before serving, not on the first grammar request.
     unavailable = await asyncio.to_thread(core.prepare_grammars)
     if unavailable is not None:

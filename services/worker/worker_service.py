@@ -93,6 +93,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             stream = self.engine.generate_checked(engine_input)
             async with contextlib.aclosing(stream):
                 async for output in stream:
+                    if output.encode_times_ns is not None:
+                        trace.encoded(*output.encode_times_ns, len(engine_input.encoder_token_ids))
                     if not num_tokens:
                         trace.decoding()  # the first output: the prompt is done
                     num_tokens += len(output.new_token_ids)
@@ -117,8 +119,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _is_remote(self, request: pb.GenerateRequest) -> bool:
         has_address = request.HasField("remote_prefill") and bool(request.remote_prefill.address)
-        single = (request.sampling.n or 1) == 1 and not request.encoder_token_ids  # P/D: decoder-only yet
-        return self.remote is not None and has_address and single
+        return self.remote is not None and has_address and (request.sampling.n or 1) == 1
 
     async def _remote(
         self,
@@ -176,6 +177,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             steps_by_path=stats.steps_by_path,
             kv_tiers=_tiers_to_proto(tiers) if tiers is not None else [],
             kv_tier_fetched_tokens_total=tiers.stats.fetched_tokens if tiers is not None else 0,
+            encoded_sequences_total=stats.num_encoded_sequences,
+            encoded_tokens_total=stats.num_encoded_tokens,
         )
 
 

@@ -14,6 +14,7 @@ import torch
 from services.common.engine_input import check_request
 from services.common.errors import InvalidRequestError
 from services.common.manifest import compute_manifest, write_manifest
+from services.common.outputs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.engine.core import EngineCore
 from tests.engine_helpers import drain, make_engine
@@ -110,6 +111,42 @@ def test_preempted_sequences_re_encode_and_match(tiny: tuple[Path, Any]) -> None
     assert_matches(reference, srcs, got)
 
 
+def test_the_split_ships_encoder_states_and_decode_matches(tiny: tuple[Path, Any]) -> None:
+    """P/D in one process: the prefill engine encodes and samples the first token, its export carries the
+    encoder output; the decode engine (a pool small enough to preempt, so some sequences re-encode there)
+    builds the cross KV from it, decodes, and matches transformers. Sources of 1 to 200 tokens, batched."""
+    path, reference = tiny
+    prefill = make_engine(path, "float32")
+    decode = make_engine(
+        path, "float32", kv_cache_memory_mb=1, max_model_len=224, enable_prefix_caching=False
+    )
+    srcs = [*sources(24, seed=4, shortest=60), [*range(3, 203), 1]]  # and a long source: 200 bytes and EOS
+    for i, src in enumerate(srcs):
+        prefill.add_request(f"d{i}", [0], GREEDY, encoder_token_ids=src, export_kv_from=0)
+    exports = {out.request_id: out for out in drain(prefill)}
+    assert prefill.stats().kv_blocks.num_active == 0
+    for i, src in enumerate(srcs):
+        out = exports[f"d{i}"]
+        assert out.kv is not None and out.kv.encoder_states is not None
+        assert tuple(out.kv.encoder_states.shape) == (len(src), 32)  # d_model, not the cross KV
+        engine_input = check_request(f"d{i}", [0], GREEDY, 259, encoder_token_ids=src)
+        if decode.reserve(engine_input) is None:  # no room: the decode replica computes it itself
+            decode.add(engine_input)
+            exports.pop(f"d{i}")
+            continue
+        decode.install_remote(f"d{i}", TokenLogprob(out.new_token_ids[0], 0.0), out.kv)
+    assert len(exports) >= len(srcs) // 2  # most came through the split
+    got = {int(rid.removeprefix("d")): [out.new_token_ids[0]] for rid, out in exports.items()}
+    for out in drain(decode):
+        got.setdefault(int(out.request_id.removeprefix("d")), []).extend(out.new_token_ids)
+    stats = decode.stats()
+    assert stats.num_preemptions >= 1  # some re-encoded here, from the source they carry
+    # the installed ones were never encoded here, unless preempted: only local and readmitted ones were
+    assert stats.num_encoded_sequences <= len(srcs) - len(exports) + stats.num_preemptions
+    assert stats.kv_blocks.num_active == 0
+    assert_matches(reference, srcs, got)
+
+
 def test_a_step_admits_sources_within_its_encoder_budget(tiny: tuple[Path, Any]) -> None:
     """engine.max_num_encoder_tokens 130: sources of 60 tokens come in two a step (a third would pass it),
     and all decode alike."""
@@ -158,10 +195,6 @@ def test_inputs_an_encoder_decoder_or_a_decoder_only_model_cannot_take_are_refus
     )  # as the worker's and async paths build it
     with pytest.raises(InvalidRequestError, match="needs a non-empty encoder input"):
         engine.add(checked)
-    with pytest.raises(InvalidRequestError, match="not split between prefill and decode"):
-        engine.add(
-            check_request("pd", [0], GREEDY, engine.vocab_size, encoder_token_ids=[5, 1]), export_kv_from=0
-        )
     assert engine.stats().num_waiting == 0
     llama = make_engine(make_tiny_llama(tmp_path / "llama"), "float32")
     with pytest.raises(InvalidRequestError, match="decoder-only: it takes no encoder input"):

@@ -26,7 +26,7 @@ import gpu_check_wheels
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.py"
 BLOCKER = REPO_ROOT / "tests" / "import_blocker"
 STAGES = ["0_smoke", "1_copy", "2_identity", "4_speed", "6_kernels", "7_attention", "8_graphs", "3_cosine",
-          "11_cancel", "12_tiers", "9_ipc", "10_nccl", "5_baseline"]  # fmt: skip
+          "11_cancel", "12_tiers", "13_t5", "9_ipc", "10_nccl", "5_baseline"]  # fmt: skip
 
 
 class DryRun(NamedTuple):
@@ -111,6 +111,8 @@ def test_a_dry_run_on_the_cpu_runs_every_stage_without_the_missing_packages(dry_
         and tiers["tokens_equal"]
         and tiers["warm_cached_tokens"] == tiers["fetched_tokens"] == 256
     )
+    t5 = summary["13_t5"]  # an encoder-decoder model through the engine, every step compared
+    assert t5["ok"] and t5["steps_compared"] == t5["steps"] == 96 and t5["blocks_held"] == 0, t5
     attention = summary["7_attention"]
     assert attention["b64_auto"]["triton_us"] > 0 and attention["b64_split"]["torch_native_us"] > 0
 

@@ -1,7 +1,9 @@
-"""A tiny T5 served by `kvrelay up` (issue 51): the prompt is the encoder's input, the decoder loops.
+"""A tiny T5 served by `kvrelay up --mode disaggregated` (issue 51): the prefill pool runs the encoder and
+the first decoder step and ships the encoder output, the decode pool rebuilds the cross KV and loops.
 Through the official SDKs (strict): a streamed completion whose text is transformers' greedy output, a
 decoder prompt, the chat routes' 400 without a chat template on every protocol, the bad inputs' 400s, and a
-cancel storm of 40 streams that leaves no request running and no block (self or cross) held."""
+cancel storm of 40 streams that leaves no request running and no block (self or cross) held on either
+pool. (Colocated serving: tests/integration/test_engine_t5.py and test_generate_cli.py.)"""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ NUM_TOKENS = 12
 NEAR_TIE = 1e-3
 CONFIG = (
     f"model:\n  dtype: float32\nengine:\n  kv_cache_memory_mb: 32\n  max_model_len: {MAX_SOURCE}\n"
+    "disaggregation:\n  policy: always\n"
     "limits:\n  step_timeout_ms: 30000\n  request_timeout_ms: 6100000\n  max_output_tokens: 200\n"
     "  default_max_output_tokens: 64\n"
 )
@@ -51,7 +54,8 @@ def stack(
     t5: tuple[Path, Any], grpc_port: int, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[UpStack]:
     workdir = tmp_path_factory.mktemp("up-t5")
-    running = start_up(t5[0], workdir, "--grpc-port", str(grpc_port), free_ports=True, config_text=CONFIG)
+    flags = ("--mode", "disaggregated", "--grpc-port", str(grpc_port))
+    running = start_up(t5[0], workdir, *flags, free_ports=True, config_text=CONFIG)
     yield running
     running.stop()
 
@@ -64,6 +68,12 @@ def client(stack: UpStack) -> openai.OpenAI:
 
 def model_name(stack: UpStack) -> str:
     return str(httpx.get(f"{stack.url}/v1/models", timeout=10.0).json()["data"][0]["id"])
+
+
+def pools(stack: UpStack) -> dict[str, dict[str, Any]]:
+    """The prefill and the decode worker's status (one of each)."""
+    services = status_json(stack.url)["services"]
+    return {s["role"]: s for s in services if s["role"] in ("prefill", "decode")}
 
 
 def reference_text(reference: Any, source: str, decoder_prompt: str = "") -> str:
@@ -89,6 +99,7 @@ def test_a_streamed_completion_is_transformers_greedy_output(stack: UpStack, t5:
         "model": model_name(stack), "prompt": source, "max_tokens": NUM_TOKENS, "temperature": 0,
         "extra_body": {"min_tokens": NUM_TOKENS},
     }  # fmt: skip
+    before = pools(stack)
     done = client(stack).completions.create(**asked)
     assert done.choices[0].text == reference_text(t5[1], source)
     usage = done.usage
@@ -102,6 +113,16 @@ def test_a_streamed_completion_is_transformers_greedy_output(stack: UpStack, t5:
     chunks = list(lenient.completions.create(**asked, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
     assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == "length"
+    # both went through the split: the prefill pool encoded the source and shipped its output with the
+    # KV; the decode pool built the cross KV from it and never ran the encoder
+    after = pools(stack)
+
+    def grew(pool: str, name: str) -> int:
+        return int(after[pool][name] - before[pool][name])
+
+    assert grew("prefill", "remote_prefills_total") == grew("decode", "remote_prefills_total") == 2
+    assert grew("prefill", "encoded_sequences_total") == 2 and grew("decode", "encoded_sequences_total") == 0
+    assert after["decode"]["prefill_fallbacks_total"] == 0
 
 
 def test_a_decoder_prompt_continues_after_the_start_token(
@@ -195,3 +216,13 @@ def test_a_cancel_storm_leaves_nothing_running_or_held(stack: UpStack) -> None:
         return bool(workers) and all(s["running"] == 0 and s["kv_blocks"]["active"] == 0 for s in workers)
 
     wait_until(idle, stack, "workers still hold requests or blocks", 60.0)
+
+
+def test_a_timeout_rule_without_room_for_the_encoder_is_refused_at_start(
+    t5: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """30 s per step x 200 tokens fills the request timeout exactly: fine for a decoder-only model, but an
+    encoder-decoder request's first token also waits for its encoder (limits.encoder_timeout_ms)."""
+    tight = CONFIG.replace("request_timeout_ms: 6100000", "request_timeout_ms: 6000000")
+    with pytest.raises(RuntimeError, match=r"limits\.encoder_timeout_ms \(30000\)"):
+        start_up(t5[0], tmp_path, free_ports=True, config_text=tight).stop()

@@ -255,6 +255,44 @@ def test_a_step_longer_than_the_timeout_aborts_the_request(slow_codec: Codec, st
     assert_all_given_back(slow_codec)
 
 
+@pytest.fixture
+def encoder_codec(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path) -> Iterator[Codec]:
+    """An encoder-decoder model behind the codec, whose first token may take 150 ms at most."""
+    for codec in start_codec(
+        model_dir,
+        tokenizer,
+        tmp_path,
+        limits={"encoder_timeout_ms": 150},
+        quotas={"default_tokens_per_minute": 10**6},
+    ):
+        codec.fake.encoder_decoder = True
+        yield codec
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_token_later_than_the_encoder_timeout_is_a_504(encoder_codec: Codec, stream: bool) -> None:
+    encoder_codec.fake.stall_before = 0  # the encoder never finishes
+    body = {"model": CHAT["model"], "prompt": "translate: tide", "max_tokens": 4, "stream": stream}
+    with encoder_codec.client("a") as a:
+        response = a.post("/v1/completions", json=body)
+    assert response.status_code == 504, response.text  # before any byte, streamed or not
+    assert "limits.encoder_timeout_ms" in response.json()["error"]["message"]
+    [seen] = encoder_codec.fake.seen
+    assert seen.encoder_token_ids and seen.prompt_token_ids == [0]  # the prompt went to the encoder
+    wait_for(lambda: encoder_codec.fake.closed_early == [seen.request_id])  # aborted behind the codec
+    assert_all_given_back(encoder_codec)
+
+
+def test_a_decoder_only_first_token_is_bounded_by_the_request_timeout_only(encoder_codec: Codec) -> None:
+    """The encoder timeout is for encoder-decoder requests: a decoder-only model's slow first token is
+    waited for."""
+    encoder_codec.fake.encoder_decoder = False
+    encoder_codec.fake.delay_s = 0.3  # twice the encoder timeout, per token
+    with encoder_codec.client("a") as a:
+        response = a.post("/v1/completions", json={"model": CHAT["model"], "prompt": "tide", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+
+
 PATIENT_STEP_TIMEOUT_MS = 1000
 NUM_PATIENT_STEPS = 12  # of 100 ms each: the whole request takes longer than one step timeout
 

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.model
 
 USER = [{"role": "user", "content": "hi"}]
 STATUS_KEYS = {
+    "encoded_sequences_total",
+    "encoded_tokens_total",
     "name",
     "role",
     "address",

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from services.cli import config as config_cli
-from services.common.config import KvrelayConfig, dump_config, load_config
+from services.common.config import (
+    KvrelayConfig,
+    LimitsConfig,
+    dump_config,
+    encoder_timeout_problem,
+    load_config,
+)
 from services.common.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +59,22 @@ def test_seed_sample_timeouts_refused_naming_all_three_settings(tmp_path: Path) 
     assert "limits.request_timeout_ms (30000)" in message
     assert "409600" in message
     assert "cut off by the request timeout while no step had timed out" in message
+
+
+def test_an_encoder_decoder_deployment_counts_the_encoder_in_the_timeout_rule() -> None:
+    """The seed guide's rule, step timeout x max steps <= request timeout, holds here with 20 ms to spare;
+    an encoder-decoder model's first token also waits for its encoder, so the encoder timeout must fit
+    too (a worker serving one checks it at start)."""
+    limits = LimitsConfig(
+        step_timeout_ms=800, max_output_tokens=512, request_timeout_ms=409_620, encoder_timeout_ms=10
+    )
+    assert encoder_timeout_problem(limits) is None
+    tight = limits.model_copy(update={"encoder_timeout_ms": 30})
+    problem = encoder_timeout_problem(tight)
+    assert problem is not None
+    assert "limits.encoder_timeout_ms (30) + limits.step_timeout_ms (800)" in problem
+    assert "409630 ms exceeds limits.request_timeout_ms (409620)" in problem
+    assert encoder_timeout_problem(LimitsConfig()) is None  # the defaults hold for both kinds of model
 
 
 def test_env_override_of_nested_key_wins_over_file_and_is_typed(tmp_path: Path) -> None:

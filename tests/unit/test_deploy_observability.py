@@ -369,7 +369,7 @@ def scrape_worker() -> str:
     metrics = WorkerMetrics("decode", "decode-0")
     counters = TransferCounters(bytes_total=4096, remote_prefills_total=2, fallbacks_total=1)
     metrics.watch(cast(AsyncEngine, StubEngine()), counters, weight_bytes=365_000_000)
-    metrics.observe_step(0.02, num_tokens=64, queue_times=[0.01])
+    metrics.observe_step(0.02, num_tokens=64, queue_times=[0.01], encoder_times=[0.004])
     return generate_latest(metrics.registry).decode()
 
 

@@ -46,6 +46,8 @@ ALTERATIONS: dict[str, Callable[[kvpb.PrefillHeader], None]] = {
     "finish_reason": lambda h: setattr(h, "finish_reason", pb.FINISH_REASON_STOP),
     "layout": lambda h: setattr(h.layout, "num_layers", 3),
     "fingerprint": lambda h: setattr(h, "model_fingerprint", "fq"),
+    "num_encoder_tokens": lambda h: setattr(h, "num_encoder_tokens", 5),
+    "encoder_width": lambda h: setattr(h, "encoder_width", 64),
 }
 
 

@@ -3,6 +3,11 @@
 Each request gets a fresh prompt of random token IDs (its own seed), so neither the prefill nor the decode
 replica's prefix cache can hit and every prompt token's KV really travels. Token arrival times are taken
 on receipt of each GenerateResponse (several tokens in one response share its arrival time).
+
+An encoder-decoder model (the stack's Info says so) gets the random prompt as its encoder input and the
+decoder's start token as its prompt: what travels is then the encoder output (and one token's decoder
+KV), and each Timing also says what the source's cross-attention KV would have weighed
+(`cross_kv_bytes`: source tokens x the model's KV bytes per token, every decoder layer).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Timing:
     kv_bytes: int
     kv_seconds: float
     cached_tokens: int
+    cross_kv_bytes: int = 0  # encoder-decoder: the cross KV the shipped encoder output stands for
 
 
 def random_prompt(seed: int, length: int, vocab: int) -> list[int]:
@@ -54,13 +60,20 @@ class Client:
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.metadata = metadata
+        self.info: pb.InfoResponse | None = None  # the model behind the router, asked once
 
     async def close(self) -> None:
         await self.channel.close()
 
     async def generate(self, request_id: str, prompt: list[int], new_tokens: int) -> Timing:
         sampling = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        if self.info is None:
+            self.info = await self.stub.Info(pb.InfoRequest(), metadata=self.metadata, timeout=30)
+        info = self.info
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+        if info.encoder_decoder:  # the prompt is the source; the decoder starts at its start token
+            request.encoder_token_ids[:] = prompt
+            request.prompt_token_ids[:] = [info.decoder_start_token_id]
         stamps: list[float] = []
         last = pb.GenerateResponse()
         t0 = time.perf_counter()
@@ -69,10 +82,13 @@ class Client:
             now = time.perf_counter() - t0
             stamps.extend([now] * len(response.token_ids))
             last = response
-        return _timing(len(prompt), stamps, last)
+        cross_kv_bytes = len(prompt) * info.kv_bytes_per_token if info.encoder_decoder else 0
+        return _timing(len(prompt), stamps, last, cross_kv_bytes)
 
 
-def _timing(prompt_tokens: int, stamps: list[float], last: pb.GenerateResponse) -> Timing:
+def _timing(
+    prompt_tokens: int, stamps: list[float], last: pb.GenerateResponse, cross_kv_bytes: int = 0
+) -> Timing:
     nan = float("nan")
     return Timing(
         prompt_tokens=prompt_tokens,
@@ -85,6 +101,7 @@ def _timing(prompt_tokens: int, stamps: list[float], last: pb.GenerateResponse) 
         kv_bytes=int(last.kv_transfer_bytes),
         kv_seconds=float(last.kv_transfer_seconds),
         cached_tokens=int(last.num_cached_tokens),
+        cross_kv_bytes=cross_kv_bytes,
     )
 
 
@@ -117,7 +134,16 @@ def summarize_transfer(runs: list[Timing]) -> dict[str, Any]:
     def share(denominator: str) -> float:
         return median([r.kv_seconds / getattr(r, denominator) for r in runs if getattr(r, denominator) > 0])
 
+    cross = {}
+    if any(r.cross_kv_bytes for r in runs):  # encoder-decoder: the shipped output against the cross KV
+        cross = {
+            "cross_kv_bytes": med("cross_kv_bytes"),
+            "cross_kv_bytes_over_shipped": median(
+                [r.cross_kv_bytes / r.kv_bytes for r in runs if r.kv_bytes]
+            ),
+        }
     return {
+        **cross,
         "kv_bytes": med("kv_bytes"),
         "kv_bytes_per_token": median([r.kv_bytes / r.prompt_tokens for r in runs]),
         "kv_transfer_s": med("kv_seconds"),

@@ -53,6 +53,13 @@ def transfer_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]], l
             continue
         for length, s in entry["lengths"].items():
             rows.append(_transfer_row(transport, length, s, True))
+            if "cross_kv_bytes" in s:  # an encoder-decoder model: the encoder output went instead
+                notes.append(
+                    f"{transport}, source of {length}: shipped the encoder output, "
+                    f"{s['kv_bytes'] / 1e6:.2f} MB; "
+                    f"its cross KV would be {s['cross_kv_bytes'] / 1e6:.2f} MB "
+                    f"({s['cross_kv_bytes_over_shipped']:.1f}x)"
+                )
     for length, s in result["colocated"].items():
         rows.append(_transfer_row("colocated", length, s, False))
     return TRANSFER_HEADER, rows, notes

@@ -147,6 +147,8 @@ def _replica_status(replica: pb.Replica) -> ServiceStatus:
         steps_by_path=dict(load.steps_by_path),
         kv_tiers=[{f.name: getattr(tier, f.name) for f in tier.DESCRIPTOR.fields} for tier in load.kv_tiers],
         kv_tier_fetched_tokens_total=load.kv_tier_fetched_tokens_total,
+        encoded_sequences_total=load.encoded_sequences_total,
+        encoded_tokens_total=load.encoded_tokens_total,
         **_weights_status(replica),
     )
 

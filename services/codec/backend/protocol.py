@@ -118,6 +118,10 @@ class ServiceStatus:
     # Workers only: the KV tiers below the pool (name, up, hits, misses, bytes, ...: worker.proto KVTier).
     kv_tiers: list[dict[str, Any]] | None = None
     kv_tier_fetched_tokens_total: int | None = None
+    # Workers only: what their encoder read (encoder-decoder models; 0 on a decode replica that never
+    # recomputes).
+    encoded_sequences_total: int | None = None
+    encoded_tokens_total: int | None = None
 
 
 class Backend(Protocol):

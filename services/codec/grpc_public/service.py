@@ -72,6 +72,7 @@ GRPC_CODES: dict[int, grpc.StatusCode] = {
     415: grpc.StatusCode.INVALID_ARGUMENT,
     STATUS_CLIENT_CLOSED: grpc.StatusCode.CANCELLED,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _FINISH_REASONS = {FinishReason.STOP: pb.SampleFinish.STOP, FinishReason.LENGTH: pb.SampleFinish.LENGTH}
 

@@ -164,11 +164,19 @@ class T5ForEngine:
         cross: Sequence[CrossRow],
         kv_caches: list[torch.Tensor],
         block_size: int,
-    ) -> None:
-        """The sources' encoder pass, batched, each output's cross KV into its row's cross blocks."""
+    ) -> list[torch.Tensor]:
+        """The sources' encoder pass, batched, each output's cross KV into its row's cross blocks; the
+        encoder outputs [S, d_model], for a prefill replica to ship."""
         outputs = self.t5.encode_batch([to_device(list(source), self.device) for source in sources])
         for output, row in zip(outputs, cross, strict=True):
             write_cross_kv(self.t5, output, row, kv_caches, block_size)
+        return list(outputs)
+
+    def write_cross(
+        self, encoder_output: torch.Tensor, row: CrossRow, kv_caches: list[torch.Tensor], block_size: int
+    ) -> None:
+        """A shipped encoder output's cross KV into the row's cross blocks (a decode replica's)."""
+        write_cross_kv(self.t5, encoder_output, row, kv_caches, block_size)
 
     def forward(
         self,

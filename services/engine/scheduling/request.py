@@ -13,6 +13,7 @@ from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
     from llguidance import LLMatcher
 
 
@@ -61,6 +62,11 @@ class Request:
     encoder_token_ids: list[int] = field(default_factory=list)
     cross_block_ids: list[int] = field(default_factory=list)
     needs_encoding: bool = False
+    # A prefill replica's encoder-decoder request: its encoder output [S, d_model], kept from the encode
+    # to the export, which ships it to the decode replica (which rebuilds the cross KV from it).
+    encoder_output: torch.Tensor | None = None
+    # When its last encoder pass ran (wall-clock ns), until its next output carries it (the encode span).
+    encode_times_ns: tuple[int, int] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

@@ -60,7 +60,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("model_fingerprint", "layout", "first_token", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "first_token_position", "num_kv_tokens", "num_chunks", "crc32")
+    __slots__ = ("model_fingerprint", "layout", "first_token", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "first_token_position", "num_kv_tokens", "num_chunks", "crc32", "num_encoder_tokens", "encoder_width", "encoder_dtype")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,9 @@ class PrefillHeader(_message.Message):
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     layout: KVLayout
     first_token: _worker_pb2.TokenLogprob
@@ -81,7 +84,18 @@ class PrefillHeader(_message.Message):
     num_kv_tokens: int
     num_chunks: int
     crc32: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_token: _Optional[_Union[_worker_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_worker_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., first_token_position: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    num_encoder_tokens: int
+    encoder_width: int
+    encoder_dtype: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_token: _Optional[_Union[_worker_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_worker_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., first_token_position: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ..., encoder_width: _Optional[int] = ..., encoder_dtype: _Optional[str] = ...) -> None: ...
+
+class EncoderStates(_message.Message):
+    __slots__ = ("data", "crc32")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    crc32: int
+    def __init__(self, data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("index", "start_token", "num_tokens", "data", "crc32", "ipc", "device_checksum")
@@ -144,9 +158,11 @@ class SharedMemoryStorage(_message.Message):
     def __init__(self, manager: _Optional[bytes] = ..., name: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "encoder_states")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_STATES_FIELD_NUMBER: _ClassVar[int]
     header: PrefillHeader
     chunk: KVChunk
-    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
+    encoder_states: EncoderStates
+    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., encoder_states: _Optional[_Union[EncoderStates, _Mapping]] = ...) -> None: ...

@@ -232,7 +232,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path", "kv_tiers", "kv_tier_fetched_tokens_total")
+    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path", "kv_tiers", "kv_tier_fetched_tokens_total", "encoded_sequences_total", "encoded_tokens_total")
     class StepsByPathEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,8 @@ class LoadResponse(_message.Message):
     STEPS_BY_PATH_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_FETCHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_SEQUENCES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks: KVBlocks
@@ -270,7 +272,9 @@ class LoadResponse(_message.Message):
     steps_by_path: _containers.ScalarMap[str, int]
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTier]
     kv_tier_fetched_tokens_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., kv_tier_fetched_tokens_total: _Optional[int] = ...) -> None: ...
+    encoded_sequences_total: int
+    encoded_tokens_total: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., kv_tier_fetched_tokens_total: _Optional[int] = ..., encoded_sequences_total: _Optional[int] = ..., encoded_tokens_total: _Optional[int] = ...) -> None: ...
 
 class KVTier(_message.Message):
     __slots__ = ("name", "up", "hits", "misses", "read_bytes", "written_bytes", "used_bytes", "recompute_instead", "unavailable", "refused", "latency_ms", "bytes_per_s")
