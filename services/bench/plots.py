@@ -272,12 +272,15 @@ def plot_kv_tiers(result: dict[str, Any], path: Path) -> None:
 
 
 def plot_transfer(result: dict[str, Any], path: Path) -> None:
-    """Transfer shares, first and second token latency, and short-request TTFT under load."""
+    """Transfer shares, first and second token latency, and short-request TTFT under load (when the load
+    was measured: `--load-seconds 0` draws the first two only)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    with_load = bool(result["load"]["sides"])
+    fig, axes = plt.subplots(1, 3 if with_load else 2, figsize=(16 if with_load else 11, 4.5))
     _transfer_shares(axes[0], result)
     _transfer_latency(axes[1], result)
-    _transfer_load(axes[2], result)
+    if with_load:
+        _transfer_load(axes[2], result)
     fig.suptitle(f"kvrelay bench transfer: {Path(result['model']).name}, {result['dtype']}, loopback")
     _save(fig, path, 110)
 

@@ -223,7 +223,8 @@ class GenerationStream:
         """Prompt + tokens generated so far, or None while the backend has produced nothing."""
         if not self._num_deltas:
             return None
-        return len(self._request.prompt_token_ids) + self._num_generated_tokens
+        request = self._request
+        return len(request.prompt_token_ids) + len(request.encoder_token_ids) + self._num_generated_tokens
 
     async def prime(self) -> None:
         self._first = await self._next_delta()
@@ -295,10 +296,10 @@ class GenerationStream:
         except StopAsyncIteration:
             return None
         if step.cancelled_caught:  # our deadline: cancelling `anext` aborted the backend stream
+            if not self._num_deltas:  # the first token: an encoder-decoder request's encoder timeout
+                raise EncoderTimeoutError(timeout_s or 0.0)
             if self._on_step_timeout is not None:
                 self._on_step_timeout()
-            if not self._num_deltas:
-                raise EncoderTimeoutError(timeout_s or 0.0)
             raise StepTimeoutError(timeout_s or 0.0)
         assert delta is not None
         self._num_deltas += 1

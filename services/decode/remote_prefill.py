@@ -13,8 +13,9 @@ request is released here.
 
 The ipc transport has one more way out: a handle this replica cannot open (P is in another pod, sees
 another GPU, or has another /dev/shm) pulls the same KV again over grpc (P's prefix cache makes the
-second prefill cheap; its first token is ignored, the one already sent stands), and this P gets grpc for
-IPC_REFUSED_S before ipc is tried with it again.
+second prefill cheap, though an encoder-decoder request runs its encoder again there; its first token is
+ignored, the one already sent stands), and this P gets grpc for IPC_REFUSED_S before ipc is tried with it
+again.
 """
 
 from __future__ import annotations
@@ -303,13 +304,13 @@ class RemotePrefill:
         if receiver is None:
             raise KVTransferFault(f"transport {prefill_request.transport!r} is not offered here")
         states, num_state_bytes = None, 0
-        if header.num_encoder_tokens:  # an encoder-decoder request: the encoder output comes first
-            item = await anext(responses)
-            if item.WhichOneof("item") != "encoder_states":
-                raise KVTransferFault("the encoder states did not follow the header")
-            states = encoder_states_from_proto(item.encoder_states, header, self.device)
-            num_state_bytes = len(item.encoder_states.data)
         try:
+            if header.num_encoder_tokens:  # an encoder-decoder request: the encoder output comes first
+                item = await anext(responses)
+                if item.WhichOneof("item") != "encoder_states":
+                    raise KVTransferFault("the encoder states did not follow the header")
+                states = encoder_states_from_proto(item.encoder_states, header, self.device)
+                num_state_bytes = len(item.encoder_states.data)
             while not assembler.is_complete:
                 item = await anext(responses)
                 if item.WhichOneof("item") != "chunk":

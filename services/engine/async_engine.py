@@ -54,6 +54,7 @@ def _coalesce(
             following,
             new_token_ids=item.new_token_ids + following.new_token_ids,
             logprobs=None if item.logprobs is None else item.logprobs + (following.logprobs or []),
+            encode_times_ns=item.encode_times_ns or following.encode_times_ns,
         )
     return item, None
 

@@ -156,12 +156,12 @@ class ModelRunner:
                 request.needs_encoding = False
                 request.encode_times_ns = (started_ns, ended_ns)
                 if request.export_kv_from is not None:  # a prefill replica ships it (core._export)
-                    request.encoder_output = output
+                    request.encoder_output = output.clone()  # not a view holding the padded batch
         return rows
 
     def take_encoder_times(self) -> list[float]:
-        """The seconds of each batched encoder pass since the last call (host time: on a GPU, the time to
-        queue the pass and its cross KV writes)."""
+        """The seconds of each batched encoder pass since the last call. Host time: on a GPU, the time to
+        queue the pass and its cross KV writes (the device may still be running them)."""
         times, self._encoder_times = self._encoder_times, []
         return times
 

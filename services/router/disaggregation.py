@@ -31,9 +31,12 @@ class Decision:
 class TransferModel:
     kv_bytes_per_token: int
     bytes_per_s: float
+    # An encoder-decoder model's: a source token's encoder output, which travels instead of its cross KV.
+    encoder_bytes_per_token: int = 0
 
-    def seconds(self, num_tokens: int) -> float:
-        return num_tokens * self.kv_bytes_per_token / self.bytes_per_s
+    def seconds(self, num_tokens: int, num_source_tokens: int = 0) -> float:
+        num_bytes = num_tokens * self.kv_bytes_per_token + num_source_tokens * self.encoder_bytes_per_token
+        return num_bytes / self.bytes_per_s
 
 
 def decide(
@@ -44,16 +47,21 @@ def decide(
     decode: Candidate,
     costs: CostModel,
     transfer: TransferModel,
+    num_source_tokens: int = 0,
 ) -> Decision:
+    """Prefill on P (remote) or on D. An encoder-decoder request's `num_source_tokens` count as prefill
+    work on either side, and travel as encoder output (TransferModel.encoder_bytes_per_token), not KV."""
     if prefill is None:
         return Decision(False, "no_prefill_pool")
     if num_samples > 1:
         return Decision(False, "multiple_samples")
-    if num_prompt_tokens < min_prompt_tokens:
+    num_input = num_prompt_tokens + num_source_tokens
+    if num_input < min_prompt_tokens:
         return Decision(False, "short_prompt")
     to_send = max(0, num_prompt_tokens - decode.cached_tokens)
-    remote = costs.queue_s(prefill) + costs.prefill_s(prefill, num_prompt_tokens) + transfer.seconds(to_send)
-    local_prefill = costs.prefill_s(decode, num_prompt_tokens)
+    shipping = transfer.seconds(to_send, num_source_tokens)
+    remote = costs.queue_s(prefill) + costs.prefill_s(prefill, num_input) + shipping
+    local_prefill = costs.prefill_s(decode, num_input)
     local = costs.queue_s(decode) + local_prefill
     local_cost = local + decode.running * local_prefill * STALL_WEIGHT
     reason = "remote_cheaper" if remote < local_cost else "local_cheaper"

@@ -204,19 +204,24 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                 n: p for n, p in prefills.items() if pair_transport("ipc", p[0].info, decode.info) == "ipc"
             }
             prefills = paired or prefills
-        num_input = len(request.prompt_token_ids) + len(request.encoder_token_ids)
-        pick = self.prefill_policy.choose([c for _, c in prefills.values()], num_input)
+        num_source = len(request.encoder_token_ids)
+        pick = self.prefill_policy.choose(
+            [c for _, c in prefills.values()], len(request.prompt_token_ids) + num_source
+        )
         prefill = prefills[pick.name] if pick else None
-        info = decode.info
-        transfer = TransferModel(info.kv_bytes_per_token if info else 0, self.transfer_bytes_per_s)
+        info = decode.info or pb.InfoResponse()
+        transfer = TransferModel(
+            info.kv_bytes_per_token, self.transfer_bytes_per_s, info.encoder_bytes_per_token
+        )
         decision = decide(
-            num_input,
+            len(request.prompt_token_ids),
             request.sampling.n or 1,
             self.disaggregation.min_prompt_tokens,
             prefill[1] if prefill else None,
             decode_candidate,
             self.costs,
             transfer,
+            num_source,
         )
         forced = self.disaggregation.policy == "always" and decision.reason == "local_cheaper"
         if forced:

@@ -43,7 +43,8 @@ class WorkerMetrics:
         ).labels(**self.labels)
         self.encoder_seconds = Histogram(
             "kvrelay_engine_encoder_seconds",
-            "Encoder-decoder models: time of one batched encoder pass (with its cross KV writes).",
+            "Encoder-decoder models: host time of one batched encoder pass with its cross KV writes "
+            "(on a GPU, the time to queue them).",
             list(self.labels),
             buckets=STEP_BUCKETS,
             registry=self.registry,

@@ -82,6 +82,7 @@ def build_info(core: EngineCore, config: KvrelayConfig, role: str, name: str = "
         numerics=core.served.numerics,
         encoder_decoder=core.model_config.is_encoder_decoder,
         decoder_start_token_id=(cfg.bos_token_id or 0) if cfg.is_encoder_decoder else 0,
+        encoder_bytes_per_token=cfg.hidden_size * core.weight_dtype.itemsize if cfg.is_encoder_decoder else 0,
     )
 
 

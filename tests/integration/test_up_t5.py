@@ -8,6 +8,7 @@ pool. (Colocated serving: tests/integration/test_engine_t5.py and test_generate_
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,32 @@ def test_a_decoder_prompt_continues_after_the_start_token(
     assert "".join(r.text for r in replies) == expected
 
 
+def test_stop_strings_logprobs_and_structured_output_work_as_for_any_model(
+    stack: UpStack, t5: tuple[Path, Any]
+) -> None:
+    source = "summarize: the river rose slowly through the night"
+    expected = reference_text(t5[1], source)
+    asked: dict[str, Any] = {
+        "model": model_name(stack),
+        "prompt": source,
+        "max_tokens": NUM_TOKENS,
+        "temperature": 0,
+    }
+    stop = expected[5:7]
+    cut = client(stack).completions.create(**asked, stop=[stop], extra_body={"min_tokens": NUM_TOKENS})
+    assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
+    scored = client(stack).completions.create(**asked, logprobs=2, extra_body={"min_tokens": NUM_TOKENS})
+    logprobs = scored.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == NUM_TOKENS and all(value <= 0 for value in logprobs.token_logprobs)
+    # the legacy shape keys alternatives by text: bytes of no character of their own all read "\ufffd"
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    shaped = client(stack).completions.create(
+        **asked, extra_body={"structured_outputs": {"regex": "[a-z]{6}"}}
+    )
+    assert re.fullmatch("[a-z]{6}", shaped.choices[0].text), shaped.choices[0].text
+
+
 def test_chat_without_a_template_is_a_400_on_every_protocol(stack: UpStack, grpc_port: int) -> None:
     model = model_name(stack)
     messages: Any = [{"role": "user", "content": "Hi"}]
@@ -226,3 +253,19 @@ def test_a_timeout_rule_without_room_for_the_encoder_is_refused_at_start(
     tight = CONFIG.replace("request_timeout_ms: 6100000", "request_timeout_ms: 6000000")
     with pytest.raises(RuntimeError, match=r"limits\.encoder_timeout_ms \(30000\)"):
         start_up(t5[0], tmp_path, free_ports=True, config_text=tight).stop()
+
+
+def test_a_colocated_stack_serves_the_same_text(t5: tuple[Path, Any], tmp_path: Path) -> None:
+    """`kvrelay up` without the split: one worker encodes and decodes."""
+    colocated = start_up(t5[0], tmp_path, free_ports=True, config_text=CONFIG)
+    try:
+        source = "summarize: the river rose slowly through the night"
+        reply = client(colocated).completions.create(
+            model=model_name(colocated), prompt=source, max_tokens=NUM_TOKENS, temperature=0,
+            extra_body={"min_tokens": NUM_TOKENS},
+        )  # fmt: skip
+        assert reply.choices[0].text == reference_text(t5[1], source)
+        [worker] = [s for s in status_json(colocated.url)["services"] if s["role"] not in ("codec", "router")]
+        assert worker["role"] == "colocated" and worker["encoded_sequences_total"] >= 2  # warm-up and this
+    finally:
+        colocated.stop()

@@ -167,6 +167,22 @@ def test_tokens_are_reserved_for_max_output_then_settled_to_what_was_used(
     assert_all_given_back(tpm_codec)
 
 
+def test_an_encoder_decoder_request_is_charged_its_source(tpm_codec: Codec, tokenizer: Tokenizer) -> None:
+    """The encoder reads the prompt: the tokens settled count it with the decoder's, as usage does."""
+    tpm_codec.fake.encoder_decoder = True
+    counter = counter_name("tenant", "tokens", "a")
+    prompt = "translate: the tide comes in twice a day"
+    with tpm_codec.client("a") as a:
+        body = a.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 50}
+        ).json()
+    source = tokenizer.encode(prompt, add_special_tokens=True)
+    assert body["usage"]["prompt_tokens"] == len(source) + 1  # and the decoder's start token
+    generated = len(tokenizer.encode(" one two three four")) + 1  # and EOS
+    assert tpm_codec.usage(counter)[0] == body["usage"]["prompt_tokens"] + generated
+    assert_all_given_back(tpm_codec)
+
+
 def test_a_client_that_leaves_mid_stream_returns_budget_and_slot(tpm_codec: Codec) -> None:
     tpm_codec.fake.delay_s = 0.2
     tpm_codec.fake.script = scripted([[7] * 200])

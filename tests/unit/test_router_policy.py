@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import random
 
+import pytest
+
 from services.router.disaggregation import TransferModel, decide
 from services.router.policy import AffinityRing, Candidate, CostModel, CostPolicy, LeastLoaded, RoundRobin
 
@@ -131,3 +133,17 @@ def test_a_prefix_held_by_decode_keeps_the_prefill_local() -> None:
     p = Candidate("p")
     warm = Candidate("d", running=24, cached_tokens=1984)
     assert not decide(2000, 1, 0, p, warm, COSTS, TRANSFER).remote
+
+
+def test_an_encoder_decoder_source_is_prefill_work_and_travels_as_encoder_output() -> None:
+    """A T5-base-like request: one decoder token, a source of 2,000. The source is prefill work on either
+    side (not a short prompt), and what travels is its encoder output (768 x 4 bytes a token), not the
+    cross KV a decoder-only reading of the bytes would price (46,080 a token here)."""
+    t5 = TransferModel(kv_bytes_per_token=46080, bytes_per_s=1e9, encoder_bytes_per_token=3072)
+    p, d = Candidate("p"), Candidate("d", running=24)
+    assert decide(1, 1, 512, p, d, COSTS, t5, num_source_tokens=2000).reason != "short_prompt"
+    remote = decide(1, 1, 0, p, d, COSTS, t5, num_source_tokens=2000)
+    as_kv = decide(2001, 1, 0, p, d, COSTS, t5)
+    assert remote.remote and remote.remote_ttft_s is not None and as_kv.remote_ttft_s is not None
+    shipped_s = 2000 * (46080 - 3072) / 1e9  # the cross KV's bytes over the encoder output's
+    assert as_kv.remote_ttft_s - remote.remote_ttft_s == pytest.approx(shipped_s, rel=1e-6)

@@ -219,6 +219,8 @@ class Gate:
         prompt_token_ids, encoder_ids = split_encoder_input(
             info, limits, prompt_token_ids, decoder_prompt_ids, prompt_param
         )
+        if encoder_ids:  # they mark the rendered prompt, now the source: its KV is the request's own
+            cache_breakpoints = ()
         num_prompt_tokens = len(prompt_token_ids)
         resolved = resolve_max_tokens(limits, num_prompt_tokens, max_tokens, info.max_model_len, prompt_param)
         sampling = build_sampling(

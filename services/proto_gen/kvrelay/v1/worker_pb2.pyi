@@ -174,7 +174,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain", "directory_fingerprint", "weights", "small_step_max_tokens", "small_step_source", "weight_bytes", "numerics", "encoder_decoder", "decoder_start_token_id")
+    __slots__ = ("model_name", "max_model_len", "block_size", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "role", "dtype", "kv_bytes_per_token", "name", "ipc_domain", "directory_fingerprint", "weights", "small_step_max_tokens", "small_step_source", "weight_bytes", "numerics", "encoder_decoder", "decoder_start_token_id", "encoder_bytes_per_token")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class InfoResponse(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_DECODER_FIELD_NUMBER: _ClassVar[int]
     DECODER_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -213,7 +214,8 @@ class InfoResponse(_message.Message):
     numerics: str
     encoder_decoder: bool
     decoder_start_token_id: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., directory_fingerprint: _Optional[str] = ..., weights: _Optional[str] = ..., small_step_max_tokens: _Optional[int] = ..., small_step_source: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., numerics: _Optional[str] = ..., encoder_decoder: _Optional[bool] = ..., decoder_start_token_id: _Optional[int] = ...) -> None: ...
+    encoder_bytes_per_token: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., name: _Optional[str] = ..., ipc_domain: _Optional[str] = ..., directory_fingerprint: _Optional[str] = ..., weights: _Optional[str] = ..., small_step_max_tokens: _Optional[int] = ..., small_step_source: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., numerics: _Optional[str] = ..., encoder_decoder: _Optional[bool] = ..., decoder_start_token_id: _Optional[int] = ..., encoder_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("total", "active", "cached", "free")
