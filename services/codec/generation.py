@@ -123,8 +123,10 @@ class Generator:
         on_step_timeout: Callable[[], None] | None = None,
         results: ResultCache | None = None,
         encoder_timeout_s: float | None = None,
+        on_encoder_timeout: Callable[[], None] | None = None,
     ) -> None:
         self.encoder_timeout_s = encoder_timeout_s  # an encoder-decoder request's first token
+        self._on_encoder_timeout = on_encoder_timeout
         self._backend = backend
         self.results = results  # the exact-result cache; None: off
         self._tokenizer = tokenizer
@@ -166,6 +168,7 @@ class Generator:
             step_timeout_s=self.step_timeout_s,
             on_step_timeout=self._on_step_timeout,
             first_timeout_s=self.encoder_timeout_s if request.encoder_token_ids else None,
+            on_first_timeout=self._on_encoder_timeout,
             on_close_async=on_close,
             record=record,
         )
@@ -195,11 +198,13 @@ class GenerationStream:
         step_timeout_s: float | None = None,
         on_step_timeout: Callable[[], None] | None = None,
         first_timeout_s: float | None = None,
+        on_first_timeout: Callable[[], None] | None = None,
         on_close_async: OnClose | None = None,
         record: Recorder | None = None,
     ) -> None:
         self._iterator = iterator
         self._first_timeout_s = first_timeout_s  # None: only the request's deadline bounds the first
+        self._on_first_timeout = on_first_timeout
         self._record = record  # given every delta applied, once every sample has finished
         self._applied: list[TokenDelta] = []
         self._request = request
@@ -297,6 +302,8 @@ class GenerationStream:
             return None
         if step.cancelled_caught:  # our deadline: cancelling `anext` aborted the backend stream
             if not self._num_deltas:  # the first token: an encoder-decoder request's encoder timeout
+                if self._on_first_timeout is not None:
+                    self._on_first_timeout()
                 raise EncoderTimeoutError(timeout_s or 0.0)
             if self._on_step_timeout is not None:
                 self._on_step_timeout()

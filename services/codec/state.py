@@ -89,6 +89,7 @@ class CodecState:
             step_timeout_s=config.limits.step_timeout_ms / 1000.0,
             on_step_timeout=limits_metrics.step_timeouts.inc,
             encoder_timeout_s=config.limits.encoder_timeout_ms / 1000.0,
+            on_encoder_timeout=limits_metrics.encoder_timeouts.inc,
             results=ResultCache.from_config(config, metrics.result_cache, os.environ),
         )
         return cls(

@@ -269,3 +269,27 @@ def test_a_colocated_stack_serves_the_same_text(t5: tuple[Path, Any], tmp_path: 
         assert worker["role"] == "colocated" and worker["encoded_sequences_total"] >= 2  # warm-up and this
     finally:
         colocated.stop()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "torch"])
+def test_the_other_transports_carry_the_kv_beside_the_encoder_output(
+    t5: tuple[Path, Any], tmp_path: Path, transport: str
+) -> None:
+    """The decoder's KV over shared memory (ipc) or torch.distributed (gloo on a CPU); the encoder output
+    always in the Prefill stream. The decode replica installs both and never encodes."""
+    config = CONFIG.replace("policy: always\n", f"policy: always\n  transport: {transport}\n")
+    split = start_up(t5[0], tmp_path, "--mode", "disaggregated", free_ports=True, config_text=config)
+    try:
+        source = "translate: good morning"
+        before = pools(split)
+        reply = client(split).completions.create(
+            model=model_name(split), prompt=source, max_tokens=NUM_TOKENS, temperature=0,
+            extra_body={"min_tokens": NUM_TOKENS},
+        )  # fmt: skip
+        assert reply.choices[0].text == reference_text(t5[1], source)
+        after = pools(split)
+        assert after["decode"]["remote_prefills_total"] - before["decode"]["remote_prefills_total"] == 1
+        assert after["decode"]["encoded_sequences_total"] == before["decode"]["encoded_sequences_total"]
+        assert after["decode"]["prefill_fallbacks_total"] == 0
+    finally:
+        split.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from services.common.outputs import FinishReason, TokenLogprob
 from services.engine.async_engine import _coalesce
@@ -38,6 +39,13 @@ def test_merges_queued_tokens_of_one_sample_up_to_its_finish() -> None:
     assert [lp.token_id for lp in merged.logprobs or []] == [1, 2, 3]
     assert merged.finish_reason is FinishReason.LENGTH
     assert held is None and queue.empty()
+
+
+def test_an_encoder_pass_on_the_first_output_survives_the_merge() -> None:
+    """An encoder-decoder sequence's first output carries its encoder pass (the worker's encode span)."""
+    first = replace(_out(0, 1), encode_times_ns=(100, 250))
+    merged, _ = _coalesce(first, _queue(_out(0, 2), _out(0, 3)))
+    assert isinstance(merged, RequestOutput) and merged.encode_times_ns == (100, 250)
 
 
 def test_stops_at_another_sample_and_hands_it_back() -> None:

@@ -296,7 +296,21 @@ def test_a_first_token_later_than_the_encoder_timeout_is_a_504(encoder_codec: Co
     [seen] = encoder_codec.fake.seen
     assert seen.encoder_token_ids and seen.prompt_token_ids == [0]  # the prompt went to the encoder
     wait_for(lambda: encoder_codec.fake.closed_early == [seen.request_id])  # aborted behind the codec
+    assert encoder_codec.metric("kvrelay_step_timeouts_total") == 0  # the encoder's, not a step's
+    assert encoder_codec.metric("kvrelay_encoder_timeouts_total") == 1
     assert_all_given_back(encoder_codec)
+
+
+def test_an_encoder_decoder_request_drops_its_cache_breakpoints(encoder_codec: Codec) -> None:
+    """Breakpoints mark the rendered prompt, which is the source here: its KV is the request's own."""
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    body = {**MESSAGES, "system": system}
+    with encoder_codec.client("a") as a:
+        reply = a.post("/v1/messages", json=body)
+    assert reply.status_code == 200, reply.text
+    [seen] = encoder_codec.fake.seen
+    assert seen.encoder_token_ids and seen.cache_breakpoints == ()
+    assert reply.json()["usage"]["cache_creation_input_tokens"] == 0
 
 
 def test_a_decoder_only_first_token_is_bounded_by_the_request_timeout_only(encoder_codec: Codec) -> None:

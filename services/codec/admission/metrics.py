@@ -13,6 +13,8 @@
                                                          admitted (nothing to check) | refused
                                                          (fail closed) | lost
     kvrelay_step_timeouts_total                          requests aborted by limits.step_timeout_ms
+    kvrelay_encoder_timeouts_total                       encoder-decoder requests aborted by
+                                                         limits.encoder_timeout_ms (no first token)
 
 Tenant labels are bounded by the configured API keys (open mode has the one tenant "default").
 """
@@ -56,6 +58,12 @@ class LimitsMetrics:
         self.step_timeouts = Counter(
             "kvrelay_step_timeouts_total",
             "Requests aborted because the next token took longer than limits.step_timeout_ms.",
+            registry=registry,
+        )
+        self.encoder_timeouts = Counter(
+            "kvrelay_encoder_timeouts_total",
+            "Encoder-decoder requests aborted because their first token took longer than "
+            "limits.encoder_timeout_ms.",
             registry=registry,
         )
 
