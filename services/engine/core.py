@@ -130,8 +130,8 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled here, every request and sample together
     # Steps by the path the model's layers took (models/llama.py STEP_PATHS); empty for a family with one
     steps_by_path: dict[str, int] = field(default_factory=dict)
-    # Encoder-decoder models: sequences and source tokens this engine encoded (a decode replica encodes
-    # only what it recomputes: the prefill replica ships the encoder output).
+    # Encoder-decoder models: sequences and source tokens this engine encoded (a decode replica only what
+    # it runs itself: a request split with a prefill replica comes with its encoder output).
     num_encoded_sequences: int = 0
     num_encoded_tokens: int = 0
 

@@ -91,7 +91,8 @@ def num_chunks(start_token: int, num_tokens: int, layout: Layout, target: int = 
 
 
 def to_bytes(kv: torch.Tensor) -> bytes:
-    """The raw bytes of a KV piece [num_layers, num_tokens, 2, kv_heads, head_dim] in C order."""
+    """The raw bytes of a tensor in C order: a KV piece [num_layers, num_tokens, 2, kv_heads, head_dim], or
+    an encoder output [num_source_tokens, d_model]."""
     return kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
@@ -131,7 +132,7 @@ def from_bytes(data: bytes, layout: Layout, num_tokens: int) -> torch.Tensor:
 
 def encoder_states_to_proto(states: torch.Tensor) -> kvpb.EncoderStates:
     """An encoder-decoder request's encoder output [S, d_model], as the message after the header."""
-    data = states.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    data = to_bytes(states)
     return kvpb.EncoderStates(data=data, crc32=checksum(data))
 
 
