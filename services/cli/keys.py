@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help='the key may ask for prompt_cache_retention "24h" (prefixes kept a day in the shared KV tier)',
     )
+    add.add_argument(
+        "--priority-tier",
+        action="store_true",
+        help='the key may ask for the high priority class (service_tier "priority", x-kvrelay-priority)',
+    )
     add.set_defaults(handler=add_key)
 
     show = actions.add_parser("list", help="the keys' IDs, tenants and creation times (no secrets)")
@@ -93,7 +98,7 @@ def add_key(args: argparse.Namespace) -> int:
         key_id, key = new_key()
     record = KeyRecord(
         key_id=key_id, tenant=args.tenant, sha256=key_digest(key), created=now_iso(), admin=args.admin,
-        cache_retention_24h=args.cache_retention_24h,
+        cache_retention_24h=args.cache_retention_24h, priority_tier=args.priority_tier,
     )  # fmt: skip
     write_keys_file(path, [*records, record])
     print(key)
@@ -109,18 +114,19 @@ def list_keys(args: argparse.Namespace) -> int:
     if args.json:
         rows = [
             {"key_id": r.key_id, "tenant": r.tenant, "created": r.created, "admin": r.admin,
-             "cache_retention_24h": r.cache_retention_24h}
+             "cache_retention_24h": r.cache_retention_24h, "priority_tier": r.priority_tier}
             for r in records
         ]  # fmt: skip
         print(json.dumps({"keys": rows}, indent=2))
         return 0
     widths = (max([6, *(len(r.key_id) for r in records)]), max([6, *(len(r.tenant) for r in records)]))
-    print(f"{'KEY ID':<{widths[0]}}  {'TENANT':<{widths[1]}}  {'CREATED':<20}  ADMIN  RETAIN 24H")
+    print(f"{'KEY ID':<{widths[0]}}  {'TENANT':<{widths[1]}}  {'CREATED':<20}  ADMIN  RETAIN 24H  PRIORITY")
     for record in records:
         admin = "yes" if record.admin else ""
         retain = "yes" if record.cache_retention_24h else ""
+        priority = "yes" if record.priority_tier else ""
         fields = (record.key_id.ljust(widths[0]), record.tenant.ljust(widths[1]), record.created.ljust(20))
-        print("  ".join((*fields, admin.ljust(5), retain)).rstrip())
+        print("  ".join((*fields, admin.ljust(5), retain.ljust(10), priority)).rstrip())
     return 0
 
 

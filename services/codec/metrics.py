@@ -65,6 +65,7 @@ class RequestStats:
     tenant: Tenant | None = None  # set by auth (None: refused before it, or a probe path)
     queue_wait_s: float | None = None  # time spent waiting for admission, when it had to wait
     result_cache: str | None = None  # hit, miss or skip when the request asked for the result cache
+    priority_class: str | None = None  # high, normal or low, once a generation route has resolved it
 
     def identify(self, tenant: Tenant) -> None:
         """Whose request this is: its prefix-cache salt, its prefix-cache counts and its audit line."""

@@ -32,6 +32,7 @@ from services.codec.backend import results
 from services.codec.errors import BodyTooLargeError, describe, error_response
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.common import tracing
+from services.common.priority import HEADER as PRIORITY_HEADER
 
 logger = logging.getLogger("kvrelay.codec.middleware")
 access_logger = logging.getLogger("kvrelay.access")
@@ -64,6 +65,8 @@ class RequestContextMiddleware:
                 headers.append(REQUEST_ID_HEADER, request_id)
                 if stats.result_cache is not None:  # hit, miss or skip: the request asked for it
                     headers.append(results.RESPONSE_HEADER, stats.result_cache)
+                if stats.priority_class is not None:  # the class that served a generation request
+                    headers.append(PRIORITY_HEADER, stats.priority_class)
             await send(message)
 
         with _request_span(scope, request_id) as span:

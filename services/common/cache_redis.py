@@ -5,6 +5,10 @@ and a password when one is set (KV can be turned back into prompt text). When `k
 this machine (127.0.0.1, localhost, ::1) and nothing answers there, `kvrelay up` starts one with
 `redis-server` from PATH and stops it with the stack; without `redis-server` it refuses, naming the fix. A
 URL elsewhere is the operator's Redis, left alone.
+
+The async lane's queue (docs/async.md) wants the opposite role: never evict (`noeviction`), every write in
+the append-only file before it is acknowledged (`appendfsync always`), kept in a data directory, so a
+queued job survives memory pressure and a restart. `start_queue_redis` starts one of those, the same way.
 """
 
 from __future__ import annotations
@@ -55,28 +59,50 @@ def cache_redis_argv(server: str, port: int, maxmemory_mb: int, password: str | 
     return argv
 
 
+def queue_redis_argv(server: str, port: int, data_dir: str, password: str | None) -> list[str]:
+    argv = [
+        server, "--port", str(port), "--bind", "127.0.0.1", "--dir", data_dir, "--save", "",
+        "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction",
+    ]  # fmt: skip
+    if password:
+        argv += ["--requirepass", password]
+    return argv
+
+
 def start_cache_redis(
     port: int, maxmemory_mb: int = DEFAULT_MAXMEMORY_MB, password: str | None = None
 ) -> subprocess.Popen[bytes]:
     """A `redis-server` of the cache role on 127.0.0.1:`port`, once it accepts connections."""
+    server = _redis_server(port, "kv_tiers.shared_url")
+    return _start(cache_redis_argv(server, port, maxmemory_mb, password), port, "the KV cache's")
+
+
+def start_queue_redis(port: int, data_dir: str, password: str | None = None) -> subprocess.Popen[bytes]:
+    """A `redis-server` of the queue role on 127.0.0.1:`port` keeping its append-only file in
+    `data_dir` (a restart there finds every acknowledged job), once it accepts connections."""
+    server = _redis_server(port, "queue.url")
+    return _start(queue_redis_argv(server, port, data_dir, password), port, "the queue's")
+
+
+def _redis_server(port: int, setting: str) -> str:
     server = shutil.which("redis-server")
     if server is None:
         raise CacheRedisError(
-            f"kv_tiers.shared_url names 127.0.0.1:{port}, where nothing answers, and redis-server is not "
+            f"{setting} names 127.0.0.1:{port}, where nothing answers, and redis-server is not "
             "on PATH to start one there: install it (apt install redis-server), start a Redis there "
-            "yourself, or unset kv_tiers.shared_url"
+            f"yourself, or unset {setting}"
         )
-    proc = subprocess.Popen(
-        cache_redis_argv(server, port, maxmemory_mb, password),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    return server
+
+
+def _start(argv: list[str], port: int, whose: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not answers(port):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_cache_redis(proc)
             error = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
-            raise CacheRedisError(f"the KV cache's redis-server on port {port} did not start: {error}")
+            raise CacheRedisError(f"{whose} redis-server on port {port} did not start: {error}")
         time.sleep(0.05)
     return proc
 

@@ -138,6 +138,9 @@ class TenantQuota(_Section):
     tokens_per_minute: int | None = Field(default=None, gt=0)
     max_concurrency: int | None = Field(default=None, gt=0)
     weight: int = Field(default=1, gt=0)  # share of the fair queue
+    # The durable queue (queue.*): jobs (background responses) and their tokens waiting or running.
+    max_queued_jobs: int | None = Field(default=None, gt=0)
+    max_queued_tokens: int | None = Field(default=None, gt=0)
 
 
 class AuthConfig(_Section):
@@ -168,6 +171,9 @@ class QuotasConfig(_Section):
     default_requests_per_minute: int | None = Field(default=None, gt=0)
     default_tokens_per_minute: int | None = Field(default=None, gt=0)
     default_max_concurrency: int | None = Field(default=None, gt=0)
+    # Each tenant's share of the durable queue (docs/async.md); past either, new background work is a 429.
+    default_max_queued_jobs: int | None = Field(default=1000, gt=0)
+    default_max_queued_tokens: int | None = Field(default=None, gt=0)
     tenants: dict[str, TenantQuota] = Field(default_factory=dict)
 
 
@@ -202,6 +208,25 @@ class ResponsesConfig(_Section):
     compaction_keys_file: str | None = None
     compaction_max_output_tokens: int = Field(default=512, gt=0)  # the summary the model writes
     websocket: WebSocketConfig = WebSocketConfig()
+
+
+class QueueConfig(_Section):
+    """The async lane's durable queue (docs/async.md): background Responses wait in Redis Streams on a
+    Redis of the queue role (noeviction, AOF on), and drainers run them at spare capacity. No url:
+    background work is refused (a 400 that says so)."""
+
+    url: str | None = Field(default=None, min_length=1)  # redis:// or rediss://
+    key_prefix: str = Field(default="kvrelay:queue:", min_length=1, max_length=128)
+    socket_timeout_ms: int = Field(default=2000, gt=0)  # a silent Redis costs a request at most this
+    # A job whose drainer has not renewed its claim this long (it died) is taken over by another.
+    claim_after_ms: int = Field(default=30_000, gt=0)
+    max_attempts: int = Field(default=3, gt=0)  # a job taken over this many times fails
+    result_ttl_s: int = Field(default=7 * 24 * 3600, gt=0)  # finished jobs' results and events
+    # The drainer: at most this many jobs at once, and a new one only while the pools' waiting
+    # requests (the router's load reports) are at most drain_max_waiting.
+    drain_concurrency: int = Field(default=4, gt=0)
+    drain_max_waiting: int = Field(default=0, ge=0)
+    drain_poll_ms: int = Field(default=250, gt=0)
 
 
 class ResultCacheConfig(_Section):
@@ -348,6 +373,7 @@ class KvrelayConfig(_Section):
     tracing: TracingConfig = TracingConfig()
     responses: ResponsesConfig = ResponsesConfig()
     result_cache: ResultCacheConfig = ResultCacheConfig()
+    queue: QueueConfig = QueueConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")

@@ -24,6 +24,9 @@ class Tenant:
     is_admin: bool = False  # may read /status; in open mode (loopback, or auth.allow_open) everyone may
     # may ask for prompt_cache_retention "24h" (a key's cache_retention_24h); in open mode everyone may
     may_retain_24h: bool = False
+    # may ask for the high priority class (service_tier "priority"; a key's priority_tier); in open mode
+    # everyone may
+    may_use_priority: bool = False
 
 
 def cache_salt(tenant_id: str, shared_groups: Sequence[Sequence[str]] = ()) -> bytes:
@@ -33,4 +36,10 @@ def cache_salt(tenant_id: str, shared_groups: Sequence[Sequence[str]] = ()) -> b
 
 
 def open_tenant(shared_groups: Sequence[Sequence[str]] = ()) -> Tenant:
-    return Tenant(DEFAULT_TENANT, None, cache_salt(DEFAULT_TENANT, shared_groups), may_retain_24h=True)
+    return Tenant(
+        DEFAULT_TENANT,
+        None,
+        cache_salt(DEFAULT_TENANT, shared_groups),
+        may_retain_24h=True,
+        may_use_priority=True,
+    )

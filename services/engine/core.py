@@ -17,6 +17,7 @@ The core is handed its parts (a scheduler over a KV cache manager and block pool
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -134,6 +135,7 @@ class EngineStats:
     # it runs itself: a request split with a prefill replica comes with its encoder output).
     num_encoded_sequences: int = 0
     num_encoded_tokens: int = 0
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)  # num_waiting by priority class
 
 
 @dataclass(frozen=True)
@@ -578,6 +580,7 @@ class EngineCore:
             steps_by_path=dict(getattr(getattr(self.runner, "model", None), "num_steps_by_path", {})),
             num_encoded_sequences=getattr(self.runner, "num_encoded_sequences", 0),
             num_encoded_tokens=getattr(self.runner, "num_encoded_tokens", 0),
+            waiting_by_priority=dict(collections.Counter(r.priority for r in list(self.scheduler.waiting))),
         )
 
     def tier_report(self) -> TierReport | None:

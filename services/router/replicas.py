@@ -19,6 +19,7 @@ writes to the tiers below its pool and those it sees dropped: `tiers` (tier_inde
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -70,7 +71,8 @@ class Replica:
     healthy: bool = False
     fingerprint_ok: bool = True
     in_flight: int = 0
-    queued_tokens: int = 0  # uncached prompt tokens dispatched here whose first token has not come back
+    # Uncached prompt tokens dispatched here whose first token has not come back, by priority class.
+    queued_by_class: collections.Counter[int] = field(default_factory=collections.Counter)
     draining: bool = False  # left discovery, terminating or not ready: no new requests
     gone: bool = False  # left discovery: dropped once idle
     num_failures: int = 0
@@ -78,6 +80,22 @@ class Replica:
     ejected_until: float = 0.0
     cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache
     events_task: asyncio.Task[None] | None = None
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(self.queued_by_class.values())
+
+    def queued_ahead(self, priority: int) -> int:
+        """The queued tokens a request of class `priority` waits behind: its own class's and above."""
+        return sum(n for p, n in self.queued_by_class.items() if p <= priority)
+
+    def waiting_ahead(self, priority: int) -> int:
+        """The replica's own queue ahead of a request of class `priority` (its last load report; a worker
+        that does not report classes counts whole)."""
+        by_class = self.load.waiting_by_priority
+        if not by_class:
+            return self.load.waiting
+        return sum(n for p, n in by_class.items() if p <= priority)
 
     @property
     def role(self) -> str:

@@ -77,6 +77,7 @@ class _Route:
     num_decode_tokens: int
     num_prefill_tokens: int
     num_below_tokens: int = 0  # prompt tokens the decode replica is expected to fetch from its tiers
+    priority: int = 0  # the request's class: its queued tokens are counted under it
 
 
 class RouterService(worker_pb2_grpc.WorkerServicer):
@@ -124,7 +125,14 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             out[r.name] = (
                 r,
                 Candidate(
-                    r.name, r.in_flight, load.waiting, load.running, r.queued_tokens, cached, below, per_token
+                    r.name,
+                    r.in_flight,
+                    r.waiting_ahead(request.priority),
+                    load.running,
+                    r.queued_ahead(request.priority),
+                    cached,
+                    below,
+                    per_token,
                 ),
             )
         return out
@@ -185,8 +193,9 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         num_prefill = num_input - prefill.cached_tokens(hashes, block_size) if prefill else 0
         num_decode = num_input - decode_candidate.cached_tokens - decode_candidate.below_tokens
         return _Route(
-            decode, choice, prefill, decision, num_decode, num_prefill, decode_candidate.below_tokens
-        )
+            decode, choice, prefill, decision, num_decode, num_prefill, decode_candidate.below_tokens,
+            request.priority,
+        )  # fmt: skip
 
     def _prefill_for(
         self,
@@ -326,18 +335,22 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             if replica is not None:
                 replica.in_flight += delta
         if delta > 0:
-            route.decode.queued_tokens += route.num_decode_tokens
+            route.decode.queued_by_class[route.priority] += route.num_decode_tokens
             if route.prefill is not None:
-                route.prefill.queued_tokens += route.num_prefill_tokens
+                route.prefill.queued_by_class[route.priority] += route.num_prefill_tokens
             self.decisions[("remote" if route.prefill else "local", route.decision.reason)] += 1
             self.route_reasons[route.choice.reason] += 1
             self.below_tokens_routed += route.num_below_tokens
 
     def _first_token(self, route: _Route) -> None:
         """The prompt is done: it no longer waits ahead of others on either replica."""
-        route.decode.queued_tokens = max(0, route.decode.queued_tokens - route.num_decode_tokens)
-        if route.prefill is not None:
-            route.prefill.queued_tokens = max(0, route.prefill.queued_tokens - route.num_prefill_tokens)
+        for replica, num_tokens in (
+            (route.decode, route.num_decode_tokens),
+            (route.prefill, route.num_prefill_tokens),
+        ):
+            if replica is not None:
+                queued = replica.queued_by_class
+                queued[route.priority] = max(0, queued[route.priority] - num_tokens)
         route.num_decode_tokens = route.num_prefill_tokens = 0
 
     def _learn_bandwidth(self, response: pb.GenerateResponse) -> None:

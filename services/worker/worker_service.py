@@ -179,6 +179,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_tier_fetched_tokens_total=tiers.stats.fetched_tokens if tiers is not None else 0,
             encoded_sequences_total=stats.num_encoded_sequences,
             encoded_tokens_total=stats.num_encoded_tokens,
+            waiting_by_priority=stats.waiting_by_priority,
         )
 
 

@@ -77,6 +77,27 @@ def pools(stack: UpStack) -> dict[str, dict[str, Any]]:
     return {s["role"]: s for s in services if s["role"] in ("prefill", "decode")}
 
 
+def pools_once_counted(
+    stack: UpStack, before: dict[str, dict[str, Any]], served: int
+) -> dict[str, dict[str, Any]]:
+    """The pools' status once the prefill and the decode pool have counted `served` more remote prefills than
+    in `before`: the router refreshes each replica's Load about once a second, so the status lags the
+    answers. A counter that never grows times the wait out; one that grows past `served` fails the caller's
+    equality."""
+    now: dict[str, dict[str, Any]] = before
+
+    def counted() -> bool:
+        nonlocal now
+        now = pools(stack)
+        return all(
+            now[pool]["remote_prefills_total"] - before[pool]["remote_prefills_total"] >= served
+            for pool in ("prefill", "decode")
+        )
+
+    wait_until(counted, stack, f"{served} remote prefills not counted on both pools", 30.0)
+    return now
+
+
 def reference_text(reference: Any, source: str, decoder_prompt: str = "") -> str:
     """transformers' greedy continuation of `decoder_prompt` for `source` (EOS banned), as text; the test
     needs every step's top-2 margin over NEAR_TIE (seeds fixed in advance), so any tie-break is exact."""
@@ -116,7 +137,7 @@ def test_a_streamed_completion_is_transformers_greedy_output(stack: UpStack, t5:
     assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == "length"
     # both went through the split: the prefill pool encoded the source and shipped its output with the
     # KV; the decode pool built the cross KV from it and never ran the encoder
-    after = pools(stack)
+    after = pools_once_counted(stack, before, 2)
 
     def grew(pool: str, name: str) -> int:
         return int(after[pool][name] - before[pool][name])
@@ -265,8 +286,16 @@ def test_a_colocated_stack_serves_the_same_text(t5: tuple[Path, Any], tmp_path: 
             extra_body={"min_tokens": NUM_TOKENS},
         )  # fmt: skip
         assert reply.choices[0].text == reference_text(t5[1], source)
-        [worker] = [s for s in status_json(colocated.url)["services"] if s["role"] not in ("codec", "router")]
-        assert worker["role"] == "colocated" and worker["encoded_sequences_total"] >= 2  # warm-up and this
+
+        def worker() -> dict[str, Any]:
+            [found] = [
+                s for s in status_json(colocated.url)["services"] if s["role"] not in ("codec", "router")
+            ]
+            assert found["role"] == "colocated"
+            return found
+
+        # warm-up and this request (the status lags the answer by up to a Load refresh)
+        wait_until(lambda: worker()["encoded_sequences_total"] >= 2, colocated, "not encoded", 30.0)
     finally:
         colocated.stop()
 
@@ -287,7 +316,8 @@ def test_the_other_transports_carry_the_kv_beside_the_encoder_output(
             extra_body={"min_tokens": NUM_TOKENS},
         )  # fmt: skip
         assert reply.choices[0].text == reference_text(t5[1], source)
-        after = pools(split)
+        after = pools_once_counted(split, before, 1)
+        assert after["prefill"]["remote_prefills_total"] - before["prefill"]["remote_prefills_total"] == 1
         assert after["decode"]["remote_prefills_total"] - before["decode"]["remote_prefills_total"] == 1
         assert after["decode"]["encoded_sequences_total"] == before["decode"]["encoded_sequences_total"]
         assert after["decode"]["prefill_fallbacks_total"] == 0

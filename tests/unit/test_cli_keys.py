@@ -67,7 +67,23 @@ def test_a_key_may_be_allowed_a_24h_cache_retention(
     assert [k["cache_retention_24h"] for k in listed] == [False, True]
     assert main(["keys", "list", "--file", str(path)]) == 0
     header, first, second = capsys.readouterr().out.splitlines()
-    assert header.endswith("RETAIN 24H") and not first.endswith("yes") and second.endswith("yes")
+    assert header.endswith("RETAIN 24H  PRIORITY") and "yes" not in first and second.rstrip().endswith("yes")
+
+
+def test_a_key_may_be_allowed_the_high_priority_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "keys.yaml"
+    plain = add(capsys, "--file", str(path), "--tenant", "acme")
+    allowed = add(capsys, "--file", str(path), "--tenant", "acme", "--priority-tier")
+    store = KeyStore(path)
+    assert [store.tenant_for(k).may_use_priority for k in (plain, allowed)] == [False, True]  # type: ignore[union-attr]
+    assert main(["keys", "list", "--file", str(path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["keys"]
+    assert [(k["priority_tier"], k["cache_retention_24h"]) for k in listed] == [(False, False), (True, False)]
+    assert main(["keys", "list", "--file", str(path)]) == 0
+    header, first, second = capsys.readouterr().out.splitlines()
+    assert "yes" not in first and second.endswith("yes") and second.index("yes") == header.index("PRIORITY")
 
 
 def test_revoke_removes_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

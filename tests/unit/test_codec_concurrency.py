@@ -97,6 +97,38 @@ async def test_equal_weights_take_turns_whatever_the_arrival_order() -> None:
     assert rec.order == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
 
 
+async def test_a_higher_class_waiter_goes_first_then_tenants_take_turns_within_a_class() -> None:
+    limiter = FairLimiter(capacity=1, queue_limit=100)
+    holder = await limiter.acquire("h")
+    rec = Recorder(limiter)
+    for name, tenant, klass in [
+        ("a-low1", "a", 1), ("a-low2", "a", 1), ("b-low", "b", 1), ("a-normal", "a", 0),
+        ("b-high", "b", -1), ("c-normal", "c", 0),
+    ]:  # fmt: skip
+        await rec.start(name, tenant, priority=klass)
+    holder.release()
+    await settle()
+    await rec.drain()
+    assert rec.order == ["b-high", "a-normal", "c-normal", "a-low1", "b-low", "a-low2"]
+
+
+async def test_a_full_queue_pushes_out_a_tenants_lowest_class_waiter_first() -> None:
+    limiter = FairLimiter(capacity=1, queue_limit=3)
+    holder = await limiter.acquire("h")
+    rec = Recorder(limiter)
+    await rec.start("a-normal", "a", priority=0)
+    await rec.start("a-low", "a", priority=1)
+    await rec.start("a-high", "a", priority=-1)
+    await rec.start("b", "b")  # a holds the whole queue: its newest lowest-class waiter goes
+    with pytest.raises(OverloadedError):
+        await rec.tasks["a-low"]
+    holder.release()
+    await settle()
+    del rec.tasks["a-low"]
+    await rec.drain()
+    assert rec.order == ["a-high", "b", "a-normal"]  # within the normal class: b's turn after a's grant
+
+
 async def test_weights_share_slots_in_proportion() -> None:
     limiter = FairLimiter(capacity=1, queue_limit=100)
     holder = await limiter.acquire("h")

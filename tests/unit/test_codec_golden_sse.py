@@ -29,8 +29,14 @@ IM_END_BYTES = "[60,124,105,109,95,101,110,100,124,62]"
 DONE = "data: [DONE]\n\n"
 
 
-def chat(rest: str) -> str:
-    return 'data: {"id":"ID","object":"chat.completion.chunk",' + SAME + "," + rest + "}\n\n"
+def chat(rest: str) -> str:  # the chunks say the tier that served the request (docs/priority.md)
+    return (
+        'data: {"id":"ID","object":"chat.completion.chunk",'
+        + SAME
+        + ',"service_tier":"default",'
+        + rest
+        + "}\n\n"
+    )
 
 
 def text(rest: str) -> str:

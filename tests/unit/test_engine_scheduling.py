@@ -7,7 +7,7 @@ from itertools import pairwise
 
 from services.common.sampling import SamplingParams
 from tests.engine_fakes import fake_runner, make_fake_engine
-from tests.engine_helpers import run_to_completion
+from tests.engine_helpers import drain, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPT = [(i * 7) % 120 + 2 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
@@ -140,3 +140,31 @@ def test_kv_events_report_the_blocks_cached_and_evicted_once_enabled() -> None:
     assert set(engine.cached_block_hashes()) == set(before) | set(stored)
     assert engine.reset_prefix_cache() and engine.cached_block_hashes() == []
     assert {e.kind for e in engine.take_kv_events()} == {"removed"}
+
+
+def test_a_high_class_arrival_runs_in_the_next_step_preempting_a_low_class_request() -> None:
+    """Six low-class requests hold 120 of the pool's 128 blocks; a high-class request that needs 13
+    arrives: the next step computes its prompt, the newest low-class request gives up its blocks, and
+    every request still gets the tokens it would get alone."""
+    engine = make_fake_engine(kv_cache_memory_mb=1, max_model_len=512, max_num_batched_tokens=4096)
+    prompts = {f"low{i}": [(i * 31 + j * 7) % 120 + 2 for j in range(320)] for i in range(6)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY, priority=1)
+    outputs = engine.step()
+    assert engine.stats().kv_blocks.num_free < 13 and engine.stats().num_preemptions == 0
+    urgent = [(j * 5) % 120 + 2 for j in range(200)]
+    engine.add_request("urgent", urgent, GREEDY, priority=-1)
+    outputs += engine.step()
+    engine.check_invariants()
+    runner = fake_runner(engine)
+    assert runner.computed_for(("urgent", 0)) == [(0, 200)]
+    assert engine.stats().num_preemptions == 1
+    got: dict[str, list[int]] = {}
+    for out in outputs + drain(engine):
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    # only the newest low-class request gave up its blocks, and was computed again
+    assert [r for r in prompts if _restarts(runner.computed_for((r, 0)))] == ["low5"]
+    assert got["urgent"] == generate_alone(urgent)
+    for request_id, prompt in prompts.items():
+        assert got[request_id] == generate_alone(prompt), request_id
+    assert engine.stats().kv_blocks.num_active == 0

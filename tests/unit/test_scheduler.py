@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from services.common.block_hash import BlockHasher, root_hash
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
@@ -123,7 +125,55 @@ def test_priority_orders_admission() -> None:
     assert chunk.request.parent_id == "late-urgent"
 
 
-def test_random_mix_of_finishes_aborts_and_preemptions_never_leaks() -> None:
+HIGH, NORMAL, LOW = -1, 0, 1  # services/common/priority.py's classes
+
+
+def test_a_high_class_arrival_runs_next_step_and_takes_a_low_class_requests_blocks() -> None:
+    s = make(6, budget=64)
+    s.add(req("low-a", [1] * 8, max_tokens=8, priority=LOW, t=0.0))  # 2 blocks, a third to decode
+    s.add(req("low-b", [2] * 8, max_tokens=8, priority=LOW, t=1.0))
+    run_step(s)
+    run_step(s)  # both decode: 6 blocks held, none free
+    assert s.kv.pool.num_available == 0
+    s.add(req("urgent", [3] * 5, max_tokens=2, priority=HIGH, t=2.0))
+    step = run_step(s)
+    assert step.chunks[0].request.parent_id == "urgent"
+    assert [s.requests[i].parent_id for i in step.preempted_ids] == ["low-b"]  # the newest of the class
+    assert {c.request.parent_id for c in step.chunks} == {"urgent", "low-a"}
+    while s.has_work():
+        run_step(s)
+    assert s.kv.pool.stats().num_active == 0
+
+
+def test_no_lower_class_is_admitted_while_a_higher_class_request_waits() -> None:
+    s = make(5, budget=64)
+    s.add(req("high-running", [1] * 12, max_tokens=8, priority=HIGH, t=0.0))  # 3 blocks, a 4th to decode
+    run_step(s)
+    s.add(req("high-waiting", [2] * 9, max_tokens=2, priority=HIGH, t=1.0))  # 3 blocks: does not fit
+    s.add(req("low", [3] * 2, max_tokens=2, priority=LOW, t=2.0))  # 1 block: would fit
+    step = run_step(s)
+    assert [c.request.parent_id for c in step.chunks] == ["high-running"]
+    assert not step.preempted_ids  # a request of its own class is never taken from
+    finished_order = []
+    while s.has_work():
+        for c in run_step(s).chunks:
+            if c.request.is_finished:
+                finished_order.append(c.request.parent_id)
+    assert finished_order.index("high-waiting") < finished_order.index("low")
+
+
+def test_a_higher_class_takes_the_step_budget_from_a_lower_class_prefill() -> None:
+    s = make(64, budget=8)
+    s.add(req("low-long", list(range(100, 140)), max_tokens=2, priority=LOW))
+    run_step(s)  # its first chunk of 8
+    s.add(req("high", [1, 2, 3], max_tokens=4, priority=HIGH, t=1.0))
+    step = run_step(s)
+    by_id = {c.request.parent_id: c.num_new_tokens for c in step.chunks}
+    assert by_id == {"high": 3, "low-long": 5}  # the high class first, the low prefill gets the rest
+
+
+@pytest.mark.parametrize("classes", [(NORMAL,), (HIGH, NORMAL, LOW)])
+def test_random_mix_of_finishes_aborts_and_preemptions_never_leaks(classes: tuple[int, ...]) -> None:
     rng = random.Random(1)
     s = make(12, budget=16, max_seqs=6)
     live: list[str] = []
@@ -131,7 +181,7 @@ def test_random_mix_of_finishes_aborts_and_preemptions_never_leaks() -> None:
         if rng.random() < 0.6:
             rid = f"r{i}"
             prompt = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 14))]
-            s.add(req(rid, prompt, max_tokens=rng.randrange(1, 24), t=float(i)))
+            s.add(req(rid, prompt, max_tokens=rng.randrange(1, 24), priority=rng.choice(classes), t=float(i)))
             live.append(rid)
         if live and rng.random() < 0.1:
             rid = live.pop(rng.randrange(len(live)))

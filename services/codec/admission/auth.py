@@ -1,9 +1,11 @@
 """API keys: who a request is for (docs/admission.md).
 
 A key looks like `kvr-<key_id>-<secret>`. The keys file (`auth.keys_file`, YAML or JSON) lists
-`keys: [{key_id, tenant, sha256, created, admin, cache_retention_24h}]`: the SHA-256 of each whole key,
-never the key itself. An `admin` key may also read /status (internal addresses and load); with keys
-configured, no other may. A `cache_retention_24h` key may ask for OpenAI's `prompt_cache_retention: "24h"`.
+`keys: [{key_id, tenant, sha256, created, admin, cache_retention_24h, priority_tier}]`: the SHA-256 of
+each whole key, never the key itself. An `admin` key may also read /status (internal addresses and
+load); with keys configured, no other may. A `cache_retention_24h` key may ask for OpenAI's
+`prompt_cache_retention: "24h"`; a `priority_tier` key for the high priority class (`service_tier:
+"priority"`, docs/priority.md).
 `kvrelay keys add | list | revoke` (services/cli/keys.py) writes it.
 
 A request presents its key as `Authorization: Bearer <key>` (OpenAI's SDKs) or `x-api-key: <key>`
@@ -74,6 +76,7 @@ class KeyRecord(BaseModel):
     created: str = ""
     admin: bool = False  # may read /status (the stack's addresses and load), beside its tenant's API
     cache_retention_24h: bool = False  # may ask for prompt_cache_retention "24h" (docs/protocols.md)
+    priority_tier: bool = False  # may ask for the high priority class (docs/priority.md)
 
 
 class KeysFile(BaseModel):
@@ -235,6 +238,7 @@ class KeyStore:
                     cache_salt(record.tenant, self._shared_groups),
                     is_admin=record.admin,
                     may_retain_24h=record.cache_retention_24h,
+                    may_use_priority=record.priority_tier,
                 ),
             )
             for record in records

@@ -13,6 +13,10 @@ and a freed slot goes to the waiting tenant with the smallest virtual time that 
 no credit. With equal weights, tenants with waiters take turns (round-robin), whatever their arrival
 order; a tenant of weight 2 gets two slots per turn of a weight-1 tenant.
 
+Priority classes (services/common/priority.py) come first: a freed slot goes to the waiting request of the
+highest class, and fair queuing decides among the tenants whose best waiter is of that class. Within a
+tenant, waiters queue by class, then arrival.
+
 Queue full: when the arriving tenant holds less than its fair share of the queue (per weight) than
 the tenant holding the most, that tenant's newest waiter is refused instead (reason
 "queue_pushed_out") and the arrival queues; otherwise the arrival is refused ("queue_full"). So one
@@ -28,6 +32,7 @@ to it in the same instant, the slot passes on to the next waiter.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import time
 from collections import deque
@@ -44,7 +49,12 @@ class _Waiter:
     tenant: str
     seq: int
     future: asyncio.Future[None]
+    priority: int = 0
     is_granted: bool = False
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.priority, self.seq)
 
 
 @dataclass(eq=False)
@@ -106,7 +116,13 @@ class FairLimiter:
         return len(state.queue) if state else 0
 
     async def acquire(
-        self, tenant: str, *, weight: int = 1, cap: int | None = None, timeout_s: float | None = None
+        self,
+        tenant: str,
+        *,
+        weight: int = 1,
+        cap: int | None = None,
+        timeout_s: float | None = None,
+        priority: int = 0,
     ) -> Slot:
         """A slot for `tenant`, at once or after waiting its turn; OverloadedError when refused."""
         state = self._tenants.setdefault(tenant, _TenantState())
@@ -120,10 +136,10 @@ class FairLimiter:
             except OverloadedError:
                 self._forget_if_idle(tenant, state)
                 raise
-        waiter = _Waiter(tenant, next(self._seq), asyncio.get_running_loop().create_future())
+        waiter = _Waiter(tenant, next(self._seq), asyncio.get_running_loop().create_future(), priority)
         if not state.queue:  # it was idle: it starts now, with no credit from before
             state.virtual_time = max(state.virtual_time, self._virtual_time)
-        state.queue.append(waiter)
+        state.queue.insert(bisect.bisect_right([w.order for w in state.queue], waiter.order), waiter)
         self._num_waiting += 1
         queued_at = time.monotonic()
         try:
@@ -195,8 +211,9 @@ class FairLimiter:
             best: _TenantState | None = None
             for state in self._tenants.values():
                 if state.queue and (state.cap is None or state.running < state.cap):
-                    key = (state.virtual_time, state.queue[0].seq)
-                    if best is None or key < (best.virtual_time, best.queue[0].seq):
+                    head = state.queue[0]
+                    key = (head.priority, state.virtual_time, head.seq)
+                    if best is None or key < (best.queue[0].priority, best.virtual_time, best.queue[0].seq):
                         best = state
             if best is None:
                 return

@@ -209,6 +209,7 @@ class Gate:
         session_key: str = "",
         cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
         decoder_prompt_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> GenerationRequest:
         """The request to start, after the context rules and sampling validation. Refusals raise
         InvalidRequestError subclasses. `cache_salt` comes from the authenticated tenant only. For an
@@ -240,6 +241,7 @@ class Gate:
             cache_salt=cache_salt,
             cache_breakpoints=cache_breakpoints,
             encoder_token_ids=encoder_ids,
+            priority=priority,
         )
 
     async def start(
@@ -259,7 +261,13 @@ class Gate:
         num_input = len(request.prompt_token_ids) + len(request.encoder_token_ids)
         num_tokens = num_input + sampling.n * sampling.max_tokens
         with tracing.span("admission", attributes={"kvrelay.tenant": tenant_id}) as span:
-            lease = await self.enter(tenant_id, num_tokens, request.timeout_s, request_charge=request_charge)
+            lease = await self.enter(
+                tenant_id,
+                num_tokens,
+                request.timeout_s,
+                request_charge=request_charge,
+                priority=request.priority,
+            )
             if lease.waited_s is not None:
                 span.set_attribute("kvrelay.queue_wait_ms", round(lease.waited_s * 1000, 3))
         try:
@@ -280,9 +288,11 @@ class Gate:
         timeout_s: float | None,
         *,
         request_charge: Reservation | None = None,
+        priority: int = 0,
     ) -> Lease:
         """Reserves `num_tokens` (prompt + n × max_tokens) and, unless `charge_request` already counted
-        it (`request_charge`), a request for `tenant`, then waits for a slot until `timeout_s`. Raises
+        it (`request_charge`), a request for `tenant`, then waits for a slot of class `priority` (higher
+        classes first) until `timeout_s`. Raises
         RateLimitedError, QuotaUnavailableError or OverloadedError, holding nothing afterwards (a
         `request_charge` refunded)."""
         try:
@@ -295,7 +305,9 @@ class Gate:
             raise
         weight, cap = self.fairness_of(tenant)
         try:
-            slot = await self.limiter.acquire(tenant, weight=weight, cap=cap, timeout_s=timeout_s)
+            slot = await self.limiter.acquire(
+                tenant, weight=weight, cap=cap, timeout_s=timeout_s, priority=priority
+            )
         except BaseException:
             await self.quotas.release(reservation)  # shielded inside
             if request_charge is not None:

@@ -47,10 +47,12 @@ from services.codec.protocols.output import (
     prepare,
 )
 from services.codec.protocols.result_key import result_key_if_asked
+from services.codec.protocols.service_tier import HEADER as PRIORITY_HEADER
+from services.codec.protocols.service_tier import resolve_class
 from services.codec.session import SESSION_HEADER, session_key
 from services.codec.state import CodecState
 from services.codec.text.prompts import encode_decoder_prompt, encode_prompt
-from services.common import tracing
+from services.common import priority, tracing
 from services.common.grpc_auth import REQUEST_ID_KEY
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.tenants import open_tenant
@@ -207,6 +209,7 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
     ) -> None:
         tenant = stats.tenant or open_tenant()
         gate = self._state.gate
+        stats.priority_class = resolve_class(None, _metadata_value(context, PRIORITY_HEADER), tenant)
         generation_request = await gate.admit(
             stats,
             prepared.fields,
@@ -219,14 +222,17 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
             session_key=prepared.session_key,
             cache_salt=tenant.cache_salt,
             decoder_prompt_ids=prepared.decoder_prompt_ids,
+            priority=priority.BY_NAME[stats.priority_class],
         )
         asked = _metadata_value(context, results.REQUEST_HEADER) or ""
         key = await result_key_if_asked(
             asked, self._state, stats, tenant.tenant_id, generation_request, prepared.plan
         )
         generation = await gate.start(tenant.tenant_id, generation_request, stats, result_key=key)
+        trailing = [(PRIORITY_HEADER, stats.priority_class)]  # the class that served it, as over HTTP
         if stats.result_cache is not None:  # hit, miss or skip, as HTTP's x-kvrelay-result-cache header
-            context.set_trailing_metadata(((results.RESPONSE_HEADER, stats.result_cache),))
+            trailing.append((results.RESPONSE_HEADER, stats.result_cache))
+        context.set_trailing_metadata(tuple(trailing))
         try:
             events = assistant_events(generation, prepared.plan)
             async with aclosing(response_messages(events, response_cls)) as messages:

@@ -30,8 +30,11 @@ from services.codec.protocols.disconnect import run_unless_gone, unless_client_l
 from services.codec.protocols.output import OutputPlan
 from services.codec.protocols.request_body import read_request
 from services.codec.protocols.result_key import result_key_if_asked
+from services.codec.protocols.service_tier import HEADER as PRIORITY_HEADER
+from services.codec.protocols.service_tier import resolve_class
 from services.codec.protocols.sse import EventStreamResponse, encode_event
 from services.codec.state import CodecState, backend_request_id, codec_state, request_id, request_stats
+from services.common import priority
 from services.common.engine_input import CacheBreakpoint
 from services.common.outputs import TokenLogprob
 
@@ -80,11 +83,14 @@ async def admit_and_start(
     cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     plan: OutputPlan = PLAIN,
     decoder_prompt_ids: list[int] | None = None,
+    service_tier: str | None = None,
 ) -> GenerationStream:
     """The gate's context rules and sampling validation, quotas, a slot, then the backend (or the
     exact-result cache, for a request that asks: `plan` is how its output is read, part of the key).
+    The priority class comes from `service_tier` (OpenAI's routes) and the x-kvrelay-priority header.
     Every refusal happens before any byte and reaches the client through the registered error handler."""
     tenant = tenant_of(request)
+    stats.priority_class = resolve_class(service_tier, request.headers.get(PRIORITY_HEADER), tenant)
     try:
         generation_request = await state.gate.admit(
             stats,
@@ -99,6 +105,7 @@ async def admit_and_start(
             session_key=session_key,
             cache_breakpoints=cache_breakpoints,
             decoder_prompt_ids=decoder_prompt_ids,
+            priority=priority.BY_NAME[stats.priority_class],
         )
     except BackendUnavailableError:  # the server's failure, not the request's: its entry charge comes back
         await state.gate.quotas.refund(request.state.request_charge)
@@ -131,9 +138,12 @@ class Envelope:
     created: int
     model: str
     system_fingerprint: str
+    service_tier: str | None = None  # Chat Completions: the tier that served the request
 
     @classmethod
-    def new(cls, prefix: str, object_name: str, state: CodecState) -> Envelope:
+    def new(
+        cls, prefix: str, object_name: str, state: CodecState, service_tier: str | None = None
+    ) -> Envelope:
         identity = state.identity
         return cls(
             f"{prefix}-{uuid.uuid4().hex}",
@@ -141,6 +151,7 @@ class Envelope:
             int(time.time()),
             identity.model_name,
             state.system_fingerprint,
+            service_tier,
         )
 
     def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -150,6 +161,7 @@ class Envelope:
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.system_fingerprint,
+            **({"service_tier": self.service_tier} if self.service_tier is not None else {}),
             "choices": choices,
             **extra,
         }

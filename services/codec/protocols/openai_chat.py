@@ -40,6 +40,7 @@ from services.codec.protocols.output import (
     prepare,
 )
 from services.codec.protocols.schemas.openai import ChatCompletionRequest
+from services.codec.protocols.service_tier import served_tier
 from services.codec.protocols.sse import DONE, encode_event
 from services.codec.session import SESSION_HEADER, SessionSource, session_key
 from services.common.outputs import TokenLogprob
@@ -76,10 +77,10 @@ async def create_chat_completion(request: Request) -> Response:
         ),
         cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
         plan=plan,
+        service_tier=body.service_tier,
     )
-    envelope = Envelope.new(
-        ID_PREFIX, "chat.completion.chunk" if body.is_stream else "chat.completion", state
-    )
+    object_name = "chat.completion.chunk" if body.is_stream else "chat.completion"
+    envelope = Envelope.new(ID_PREFIX, object_name, state, served_tier(stats))
     num_samples = body.n or 1
     if body.is_stream:
         events = _chunks(assistant_events(generation, plan), envelope, num_samples, body.include_usage)

@@ -53,6 +53,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.codec.admission import tenancy
+from services.codec.admission.gate import resolve_max_tokens
+from services.codec.background import BackgroundResponses
 from services.codec.errors import (
     INVALID_REQUEST,
     UnsupportedParameterError,
@@ -64,7 +66,14 @@ from services.codec.protocols.cache_retention import check_retention, retention_
 from services.codec.protocols.common import admit_and_start, open_route, stream_response
 from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
 from services.codec.protocols.disconnect import run_unless_gone
-from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems, ResponseDraft
+from services.codec.protocols.openai_responses_background import (
+    JOB_RUN,
+    cancel_background,
+    create_background,
+    draft_for,
+    retrieve_background,
+)
+from services.codec.protocols.openai_responses_events import Lifecycle, OutputItems
 from services.codec.protocols.output import AssistantEvent, Constrained, OutputPlan, assistant_events, prepare
 from services.codec.protocols.schemas.responses import ResponsesRequest, call_ids_of
 from services.codec.response_store import ResponseStore, StoredResponse, store_from_config
@@ -90,15 +99,23 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         await response_store(app).aclose()
+        if app.state.background is not None:
+            await app.state.background.queue.aclose()
 
 
 router = APIRouter(lifespan=_lifespan)
 
 
-def install_responses(app: FastAPI, config: ResponsesConfig, store: ResponseStore | None = None) -> None:
-    """Adds the routes, their response store (`store_from_config` unless given) and the keys that seal
-    compacted items to `app`."""
+def install_responses(
+    app: FastAPI,
+    config: ResponsesConfig,
+    store: ResponseStore | None = None,
+    background: BackgroundResponses | None = None,
+) -> None:
+    """Adds the routes, their response store (`store_from_config` unless given), the background
+    responses (None: `background: true` is refused) and the keys that seal compacted items to `app`."""
     app.state.responses_store = store if store is not None else store_from_config(config, os.environ)
+    app.state.background = background
     app.state.compaction_keys = CompactionKeys.from_file(config.compaction_keys_file)
     app.include_router(router)
 
@@ -137,6 +154,16 @@ async def create_response(request: Request) -> Response:
         constraint=body.constraint(),
         template=_template_for_calls(state, history),
     )
+    if body.background and JOB_RUN.get() is None:  # checked now, run later by a drainer
+        info = await state.info.get()
+        num_prompt = len(prompt_ids)
+        try:
+            limit = resolve_max_tokens(
+                state.config.limits, num_prompt, body.max_output_tokens, info.max_model_len, "input"
+            )
+        except InvalidRequestError as exc:
+            raise _renamed_max_tokens(exc) from None
+        return await create_background(request, state, stats, body, num_prompt + limit)
     try:
         generation = await admit_and_start(
             request,
@@ -158,10 +185,11 @@ async def create_response(request: Request) -> Response:
             ),
             cache_breakpoints=retention_breakpoints(body.prompt_cache_retention, len(prompt_ids)),
             plan=plan,
+            service_tier=body.service_tier,
         )
     except InvalidRequestError as exc:
         raise _renamed_max_tokens(exc) from None
-    draft = ResponseDraft.new(body, state.identity.model_name, thinks=state.assistant.can_think)
+    draft = draft_for(body, state.identity.model_name, thinks=state.assistant.can_think, stats=stats)
     output = OutputItems(draft, plain=plan.is_plain)
     keeper = _Keeper(
         store if body.is_stored else None,
@@ -185,12 +213,25 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
+    background = await retrieve_background(request, tenant_of(request), response_id)
+    if background is not None:
+        return background
     if request.query_params.get("stream", "").lower() == "true":
-        raise UnsupportedParameterError("streaming a stored response is not supported", "stream")
+        raise UnsupportedParameterError("only a background response can be streamed again", "stream")
     record = await response_store(request.app).get(tenant_of(request), response_id)
     if record is None:
         return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
     return JSONResponse(record.body)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str) -> Response:
+    cancelled = await cancel_background(request, tenant_of(request), response_id)
+    if cancelled is not None:
+        return cancelled
+    if await response_store(request.app).get(tenant_of(request), response_id) is not None:
+        raise InvalidRequestError("only background responses can be cancelled", "response_id")
+    return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
 
 
 @router.delete("/v1/responses/{response_id}")

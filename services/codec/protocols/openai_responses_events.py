@@ -94,9 +94,12 @@ class ResponseDraft:
     model: str
     request: ResponsesRequest
     reasoning: dict[str, Any] | None = None
+    service_tier: str = "default"  # the tier that serves it (protocols/service_tier.py)
 
     @classmethod
-    def new(cls, request: ResponsesRequest, model: str, *, thinks: bool = False) -> ResponseDraft:
+    def new(
+        cls, request: ResponsesRequest, model: str, *, thinks: bool = False, service_tier: str = "default"
+    ) -> ResponseDraft:
         """`thinks`: the model has a thinking mode, so `reasoning` is honoured (and echoed)."""
         reasoning = request.reasoning_body() if thinks else None
         return cls(
@@ -106,6 +109,7 @@ class ResponseDraft:
             model,
             request,
             reasoning,
+            service_tier,
         )
 
     def message(
@@ -179,7 +183,7 @@ class ResponseDraft:
             "tool_choice": request.tool_choice or "auto",
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "truncation": "disabled",
-            "service_tier": "default",
+            "service_tier": self.service_tier,
             "metadata": request.metadata or {},
             "user": request.user,
             "safety_identifier": request.safety_identifier,

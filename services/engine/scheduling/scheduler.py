@@ -3,10 +3,16 @@
 Each step hands every request some number of tokens so its computed tokens catch up with its known
 tokens. A fresh prompt, a chunk of a long prompt, a decode token, a prefix hit and a recompute after
 preemption all fall out of that one rule, under one token budget and a cap on sequences per step.
-Running requests go first, in priority order; when a running request cannot grow, the newest
-lowest-priority request not yet scheduled this step is preempted (its blocks are freed and it will be
-recomputed, mostly from the prefix cache). Waiting requests are admitted while the budget, the
-sequence cap and the KV pool allow, and only in steps that preempted nothing.
+Running requests go first; when a running request cannot grow, the newest lowest-priority request not
+yet scheduled this step is preempted (its blocks are freed and it will be recomputed, mostly from the
+prefix cache). Waiting requests are admitted while the budget, the sequence cap and the KV pool allow,
+and only in steps where no running request had to preempt to grow.
+
+Priority classes (`Request.priority`, lower runs first; docs/priority.md) order all of it: a step serves
+the classes in turn, each one's running requests then its waiting ones, so a higher class has the budget
+and the sequence cap first. A waiting request that finds the KV pool or the sequence cap full takes the
+room of running requests of lower classes (newest first), which are preempted; when it still cannot be
+admitted, no lower class is admitted in that step. With one class this is plain FCFS.
 
 A step's results land in two parts: `advance` once it is launched (its chunks are computed; each sampled
 token is a placeholder), `resolve` once its tokens are read back (tokens in, stops checked). `update`
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -175,7 +181,21 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[SeqId] = set()
-        for request in list(self.running):
+        classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
+        admitting = True
+        for priority in classes:
+            num_preempted = len(out.preempted_ids)
+            budget = self._schedule_running(priority, out, budget, scheduled)
+            # A running request that had to preempt to grow: the pool is short, admit no one this step.
+            admitting = admitting and len(out.preempted_ids) == num_preempted
+            if admitting:
+                budget, admitting = self._admit_waiting(priority, out, budget, scheduled)
+        return out
+
+    def _schedule_running(
+        self, priority: int, out: SchedulerOutput, budget: int, scheduled: set[SeqId]
+    ) -> int:
+        for request in [r for r in self.running if r.priority == priority]:
             if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
                 break
             if request.seq_id in out.preempted_ids or request.ends_when_resolved:
@@ -186,26 +206,25 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
             scheduled.add(request.seq_id)
             budget -= num_new
-        if not out.preempted_ids:
-            self._admit_waiting(out, budget)
-        return out
+        return budget
 
     def _grow_or_preempt(
         self, request: Request, num_new: int, scheduled: set[SeqId], out: SchedulerOutput
     ) -> bool:
         while not self.kv.grow(request, num_new):
-            # Not a sequence a pending token ends: it frees its blocks once read back, and a prefill
-            # replica's still has its prompt KV to export from them.
-            victims = [
-                r for r in self.running
-                if r.seq_id not in scheduled and r is not request and not r.ends_when_resolved
-            ]  # fmt: skip
-            victim = max(victims, key=lambda r: r.sort_key) if victims else request
+            victim = self._victim(lambda r: r is not request and r.seq_id not in scheduled) or request
             self._preempt(victim)
             out.preempted_ids.append(victim.seq_id)
             if victim is request:
                 return False
         return True
+
+    def _victim(self, eligible: Callable[[Request], bool]) -> Request | None:
+        """The running request to preempt among the `eligible`: the lowest class, the newest. Never a
+        sequence a pending token ends: it frees its blocks once read back, and a prefill replica's still
+        has its prompt KV to export from them."""
+        victims = [r for r in self.running if eligible(r) and not r.ends_when_resolved]
+        return max(victims, key=lambda r: r.sort_key) if victims else None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -215,23 +234,35 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(request)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(
+        self, priority: int, out: SchedulerOutput, budget: int, scheduled: set[SeqId]
+    ) -> tuple[int, bool]:
+        """Admit the waiting requests of class `priority`, in order, while they fit; the budget left, and
+        whether lower classes may still be admitted (False: one of this class could not be)."""
         encoder_budget, num_encoded = self.max_num_encoder_tokens, 0
-        for request in list(self.waiting):
-            if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
-                return
+        for request in [r for r in self.waiting if r.priority == priority]:
+            if request.seq_id in out.preempted_ids:
+                return budget, False  # preempted in this step to make room: its class waits for the next
             if self._leader_still_prefilling(request) or self._still_looking(request):
                 continue
+            if budget <= 0 or len(out.chunks) >= self.max_num_seqs:
+                return budget, False  # the step is full with this class and the ones above it
             num_source = len(request.encoder_token_ids)
             if encoder_budget is not None and num_encoded and num_encoded + num_source > encoder_budget:
-                return  # the step's encoder budget is spent; keep FCFS order
+                return budget, False  # the step's encoder budget is spent; keep FCFS order
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             below = self.below.found(request, num_cached_tokens) if self.below is not None else None
             num_below = below.num_tokens if below is not None else 0
             num_new = min(request.num_tokens - num_cached_tokens - num_below, budget)
-            if not self.kv.admit(request, cached, num_below + num_new):
-                return  # admission is bounded by KV memory; keep FCFS order
+            while not self.kv.admit(request, cached, num_below + num_new):
+                # A lower class's running request gives up its blocks (it is not scheduled yet: the classes
+                # are served in order); when there is none, admission is bounded by KV memory; keep FCFS.
+                victim = self._victim(lambda r: r.priority > priority and r.seq_id not in scheduled)
+                if victim is None:
+                    return budget, False
+                self._preempt(victim)
+                out.preempted_ids.append(victim.seq_id)
             if below is not None:
                 below.place(request.block_ids, num_cached_tokens)
                 request.num_computed_tokens += num_below
@@ -243,8 +274,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            scheduled.add(request.seq_id)
             budget -= num_new
             num_encoded += num_source
+        return budget, True
 
     def _still_looking(self, request: Request) -> bool:
         return self.below is not None and self.below.is_looking(request)

@@ -7,7 +7,9 @@ Fields fall in three groups:
   characters) keys the session for routing affinity (session.py), never the cache;
 - checked: `prompt_cache_retention` is `in_memory` or `24h`, and `24h` needs a key allowed it
   (protocols/cache_retention.py); both keep the tiers' default lifetime for now;
-- accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
+- checked: `service_tier` picks the priority class, `priority` needs a key allowed it
+  (protocols/service_tier.py);
+- accepted and ignored: `user`, `metadata`, `store`,
   `prompt_cache_options`, `safety_identifier`, `reasoning_effort`, `verbosity`,
   `parallel_tool_calls`, `moderation`;
 - defined by OpenAI but not honoured here: they parse, then `check_supported` rejects them with
@@ -276,10 +278,11 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
     # Checked (protocols/cache_retention.py): "24h" needs a key with that permission.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # The priority class (protocols/service_tier.py): "priority" needs a key with that permission.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # Accepted and ignored.
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     reasoning_effort: str | None = None

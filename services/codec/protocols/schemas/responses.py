@@ -7,15 +7,18 @@ fail with a 400 naming the param. Fields fall in three groups:
   required / `{"type": "function", "name"}` / `allowed_tools` (a hard limit on the tools a call may
   name) and `parallel_tool_calls` (text/tool_calls.py), `reasoning.effort` on a model with a thinking
   mode (none/minimal: off; low/medium/high: a budget of 1024/4096/16384 tokens; xhigh/max: unbounded),
+  `background` (queued, run by a drainer: protocols/openai_responses_background.py; it needs `store`),
   and echoed back: `metadata`, `user`, `safety_identifier`, `prompt_cache_key` (which also keys the
   session for routing, session.py), `max_tool_calls`;
+- checked: `service_tier` picks the priority class, `priority` needs a key allowed it
+  (protocols/service_tier.py), and the response says the tier that served it;
 - accepted and ignored: the rest of `reasoning` (and all of it on a model without a thinking mode),
-  `service_tier`, `stream_options`, `text.verbosity`, `prompt_cache_retention`, `prompt_cache_options`,
+  `stream_options`, `text.verbosity`, `prompt_cache_retention`, `prompt_cache_options`,
   `moderation`, `background_options`; `reasoning` input items (the model's earlier thinking is not
   replayed, as Qwen3's template drops it too);
 - defined by OpenAI but not honoured here: they parse, then `check_supported` rejects them with
   UnsupportedParameterError (tools other than functions, the hosted tools' tool_choice values,
-  `background: true`, `conversation`, `prompt`, `include` values, `truncation: "auto"`,
+  `conversation`, `prompt`, `include` values, `truncation: "auto"`,
   `top_logprobs` > 0, `context_management`, `image`, `access_programs`, image/file/audio parts and
   input items other than messages, function calls, their outputs, reasoning and compaction).
 
@@ -393,8 +396,8 @@ class ResponsesRequest(Strict):
             raise UnsupportedParameterError("only truncation 'disabled' is supported", "truncation")
         if self.top_logprobs:
             raise UnsupportedParameterError("top_logprobs is not supported yet", "top_logprobs")
-        if self.background:
-            raise UnsupportedParameterError("background responses are not supported", "background")
+        if self.background and not self.is_stored:
+            raise InvalidRequestError("background responses must be stored: drop store: false", "background")
         if self.include:
             raise UnsupportedParameterError("include values are not supported", "include")
         for name in ("conversation", "prompt", "context_management", "image", "access_programs"):

@@ -234,7 +234,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path", "kv_tiers", "kv_tier_fetched_tokens_total", "encoded_sequences_total", "encoded_tokens_total")
+    __slots__ = ("running", "waiting", "kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "requests_total", "ready", "kv_transfer_bytes_total", "remote_prefills_total", "prefill_fallbacks_total", "requests_aborted_total", "generation_tokens_total", "steps_by_path", "kv_tiers", "kv_tier_fetched_tokens_total", "encoded_sequences_total", "encoded_tokens_total", "waiting_by_priority")
     class StepsByPathEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,13 @@ class LoadResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class WaitingByPriorityEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +266,7 @@ class LoadResponse(_message.Message):
     KV_TIER_FETCHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SEQUENCES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ENCODED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BY_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks: KVBlocks
@@ -276,7 +284,8 @@ class LoadResponse(_message.Message):
     kv_tier_fetched_tokens_total: int
     encoded_sequences_total: int
     encoded_tokens_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., kv_tier_fetched_tokens_total: _Optional[int] = ..., encoded_sequences_total: _Optional[int] = ..., encoded_tokens_total: _Optional[int] = ...) -> None: ...
+    waiting_by_priority: _containers.ScalarMap[int, int]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_total: _Optional[int] = ..., ready: _Optional[bool] = ..., kv_transfer_bytes_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., prefill_fallbacks_total: _Optional[int] = ..., requests_aborted_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps_by_path: _Optional[_Mapping[str, int]] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., kv_tier_fetched_tokens_total: _Optional[int] = ..., encoded_sequences_total: _Optional[int] = ..., encoded_tokens_total: _Optional[int] = ..., waiting_by_priority: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class KVTier(_message.Message):
     __slots__ = ("name", "up", "hits", "misses", "read_bytes", "written_bytes", "used_bytes", "recompute_instead", "unavailable", "refused", "latency_ms", "bytes_per_s")

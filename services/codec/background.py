@@ -1,0 +1,141 @@
+"""Background Responses (OpenAI `background: true`) kept on the queue's Redis (docs/async.md).
+
+A background response lives in three places on the queue role's Redis (noeviction, append-only), so any
+codec replica reads it and none holds it:
+
+- its record, `<prefix>response:<id>`: the tenant and the response object as it stands (`queued`, then
+  `in_progress`, then final; `cancelled` as soon as a client cancels it);
+- its events, `<prefix>events:<id>`: every streaming event, in sequence order (`response.queued` is 0,
+  the run's events follow), which `GET /v1/responses/{id}?stream=true&starting_after=N` replays from N+1
+  and then follows live; an entry without an event marks the end;
+- its job on the queue (services/codec/job_queue.py), whose result, written once, holds the final object.
+
+Records and events expire `queue.result_ttl_s` after the response ends. Another tenant's ID reads as
+absent (a 404).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from services.codec.job_queue import Job, JobQueue
+
+KIND = "response"  # the jobs' kind
+TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+END = "end"  # the events stream's closing entry: its field, with the final status
+
+
+@dataclass(frozen=True)
+class BackgroundRecord:
+    tenant: str
+    body: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps({"tenant": self.tenant, "body": self.body}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> BackgroundRecord:
+        record = json.loads(text)
+        return cls(record["tenant"], record["body"])
+
+    @property
+    def is_over(self) -> bool:
+        return self.body.get("status") in TERMINAL_STATUSES
+
+
+class BackgroundResponses:
+    """Background responses over `queue` (its Redis and key prefix)."""
+
+    def __init__(self, queue: JobQueue) -> None:
+        self.queue = queue
+        self.client = queue.client
+        self.prefix = queue.prefix
+
+    def record_key(self, response_id: str) -> str:
+        return f"{self.prefix}response:{response_id}"
+
+    def events_key(self, response_id: str) -> str:
+        return f"{self.prefix}events:{response_id}"
+
+    async def create(
+        self,
+        job: Job,
+        body: dict[str, Any],
+        queued_event: dict[str, Any],
+        *,
+        caps: tuple[int | None, int | None],
+    ) -> None:
+        """Keep the queued response and its `response.queued` event, then queue its job (QueueFullError
+        past the tenant's `caps`, jobs and tokens: then nothing is kept)."""
+        response_id = body["id"]
+        async with self.queue.calling("keep a background response"):
+            await self.client.set(self.record_key(response_id), BackgroundRecord(job.tenant, body).to_json())
+            await self.client.xadd(self.events_key(response_id), {"event": json.dumps(queued_event)})
+        try:
+            await self.queue.enqueue(job, max_jobs=caps[0], max_tokens=caps[1])
+        except BaseException:
+            async with self.queue.calling("drop a refused background response"):
+                await self.client.delete(self.record_key(response_id), self.events_key(response_id))
+            raise
+
+    async def get(self, tenant: str, response_id: str) -> BackgroundRecord | None:
+        """The response as it stands: its job's result once written, else its record. None when it is
+        unknown or another tenant's."""
+        result = await self.queue.result(response_id)
+        async with self.queue.calling("read a background response"):
+            text = result if result is not None else await self.client.get(self.record_key(response_id))
+        if text is None:
+            return None
+        record = BackgroundRecord.from_json(text)
+        return record if record.tenant == tenant else None
+
+    async def put(self, record: BackgroundRecord) -> None:
+        async with self.queue.calling("update a background response"):
+            await self.client.set(self.record_key(record.body["id"]), record.to_json())
+
+    async def last_sequence(self, response_id: str) -> int:
+        """The sequence number of the last event kept (-1: none)."""
+        async with self.queue.calling("read a background response's events"):
+            last = await self.client.xrevrange(self.events_key(response_id), count=2)
+        kept = [fields["event"] for _, fields in last if "event" in fields]
+        return int(json.loads(kept[0])["sequence_number"]) if kept else -1
+
+    async def append(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        async with self.queue.calling("keep a background response's events"):
+            pipe = self.client.pipeline(transaction=False)
+            for event in events:
+                pipe.xadd(self.events_key(response_id), {"event": json.dumps(event, separators=(",", ":"))})
+            await pipe.execute()
+
+    async def end(self, record: BackgroundRecord) -> None:
+        """Mark the events' end and let the record and events expire in result_ttl_s."""
+        response_id, ttl = record.body["id"], self.queue.result_ttl_s
+        async with self.queue.calling("close a background response"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(self.record_key(response_id), record.to_json(), ex=ttl)
+            pipe.xadd(self.events_key(response_id), {END: record.body.get("status", "")})
+            pipe.expire(self.events_key(response_id), ttl)
+            await pipe.execute()
+
+    async def events_after(
+        self, response_id: str, after: int, *, poll_ms: int = 1000
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every event with a sequence number above `after`, kept ones first, then live ones as they
+        come, until the end mark."""
+        key, last_id = self.events_key(response_id), "0-0"
+        while True:
+            async with self.queue.calling("follow a background response's events"):
+                answer = await self.client.xread({key: last_id}, count=100, block=poll_ms)
+            for _, entries in answer or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    if END in fields:
+                        return
+                    event = json.loads(fields["event"])
+                    if int(event["sequence_number"]) > after:
+                        yield event
