@@ -21,6 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve the public gRPC API (kvrelay.v1.Inference, health, reflection; docs/grpc.md) on this "
         "port at --host; 0 or absent: off",
     )
+    p.add_argument(
+        "--drain",
+        action="store_true",
+        help="also run queued background responses at spare capacity (a drainer; needs queue.url, "
+        "docs/async.md)",
+    )
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, help="graceful shutdown timeout")
     p.add_argument(
         "--log-level",

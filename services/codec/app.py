@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 
@@ -11,6 +12,8 @@ from services.codec import routes_health, routes_misc
 from services.codec.admission.auth import Authenticator, AuthMiddleware
 from services.codec.backend.protocol import Backend
 from services.codec.errors import install_error_handlers
+from services.codec.lane.background import background_from_config
+from services.codec.lane.drainer import Drainer
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from services.codec.protocols import (
     anthropic_messages,
@@ -24,6 +27,7 @@ from services.codec.routes_health import kvrelay_version
 from services.codec.state import CodecIdentity, CodecState
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
+from services.common.errors import ConfigError
 
 
 def create_app(
@@ -34,21 +38,38 @@ def create_app(
     *,
     serve_alongside: Callable[[CodecState], AbstractAsyncContextManager[object]] | None = None,
     authenticator: Authenticator | None = None,
+    drain: bool = False,
+    grace_s: float = 30.0,
 ) -> FastAPI:
     """One codec app over `backend`. The app owns the backend: it is closed when the app shuts down.
 
     `serve_alongside(state)` (the public gRPC server) is entered at startup and exited at shutdown,
     before the backend closes, so what it serves can finish. `authenticator` (default: from
-    `config.auth`, which loads the keys file) is shared with the public gRPC server when there is one."""
+    `config.auth`, which loads the keys file) is shared with the public gRPC server when there is one.
+    `drain`: also run queued background responses (a drainer, services/codec/lane/drainer.py; it needs
+    `queue.url`), giving the running ones `grace_s` to finish at shutdown."""
     state = CodecState.build(backend, tokenizer, config, identity)
     if authenticator is None:
         authenticator = Authenticator.from_config(config.auth)
+    background = background_from_config(config.queue, identity)
+    if drain and background is None:
+        raise ConfigError("a drainer needs the async lane's queue: set queue.url (docs/async.md)")
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        drainer = (
+            Drainer(app, background, authenticator, config.queue, backend.statuses)
+            if drain and background
+            else None
+        )
+        draining = asyncio.create_task(drainer.run()) if drainer is not None else None
+        app.state.drainer = drainer
         try:
             async with serve_alongside(state) if serve_alongside else nullcontext():
                 yield
+                if drainer is not None and draining is not None:
+                    await drainer.stop(grace_s)
+                    await draining
         finally:
             await state.aclose()
             await backend.close()
@@ -67,7 +88,7 @@ def create_app(
     for module in (openai_chat, openai_completions, routes_misc, routes_health):
         app.include_router(module.router)
     app.include_router(anthropic_messages.router)
-    install_responses(app, config.responses)
+    install_responses(app, config.responses, background=background)
     app.include_router(openai_responses_compact.router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body

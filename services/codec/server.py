@@ -54,6 +54,7 @@ class CodecOptions:
     port: int
     grace_s: float = DEFAULT_GRACE_S
     grpc_port: int = 0  # the public gRPC API's port on `host`; 0 is off
+    drain: bool = False  # also run queued background responses (services/codec/lane/drainer.py)
 
 
 def load_tokenizer(model_dir: Path, config: KvrelayConfig) -> tuple[Tokenizer, CodecIdentity]:
@@ -117,6 +118,8 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         identity,
         serve_alongside=public_grpc.serving if public_grpc else None,
         authenticator=authenticator,
+        drain=options.drain,
+        grace_s=options.grace_s,
     )
     server_config = uvicorn.Config(
         app,
@@ -140,6 +143,7 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
             "grpc_address": public_grpc.address if public_grpc else None,
             "router": options.router_address,
             "metrics_port": config.server.metrics_port,
+            "drainer": options.drain,
             "model": identity.model_name,
             "tokenizer_fingerprint": identity.tokenizer_fingerprint,
         },
@@ -206,6 +210,8 @@ def main(args: argparse.Namespace) -> int:
             "server": config.server.model_copy(update={"host": host, "port": port}),
         }
     )
-    options = CodecOptions(model_dir, args.router, host, port, args.grace_seconds, args.grpc_port or 0)
+    options = CodecOptions(
+        model_dir, args.router, host, port, args.grace_seconds, args.grpc_port or 0, bool(args.drain)
+    )
     asyncio.run(serve(config, options))
     return 0

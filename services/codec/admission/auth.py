@@ -43,7 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.codec.admission.tenancy import CALL_TENANT
+from services.codec.admission.tenancy import CALL_TENANT, JOB_TENANT
 from services.codec.errors import AuthenticationError, describe, error_response
 from services.codec.metrics import CodecMetrics, RequestStats
 from services.codec.middleware import header
@@ -197,6 +197,13 @@ class KeyStore:
         is_match = hmac.compare_digest(given, entry.digest if entry is not None else _DUMMY_DIGEST)
         return entry.tenant if entry is not None and is_match else None
 
+    def tenant_by_key_id(self, key_id: str) -> Tenant | None:
+        """The tenant of the key with this public ID while the key stands (None once revoked): queued
+        work runs with the permissions of the key that made it (services/codec/lane/drainer.py)."""
+        self.refresh()
+        entry = self._entries.get(key_id)
+        return entry.tenant if entry is not None else None
+
     def refresh(self, *, force: bool = False) -> None:
         """Re-reads the file if it changed; looks at most once per interval unless `force`."""
         now = self._clock()
@@ -265,6 +272,12 @@ class Authenticator:
     def is_open(self) -> bool:
         return self.store is None
 
+    def tenant_of_key(self, key_id: str | None) -> Tenant | None:
+        """The tenant of a key by its public ID (the open tenant in open mode); None once revoked."""
+        if self.store is None:
+            return self._open_tenant
+        return self.store.tenant_by_key_id(key_id) if key_id is not None else None
+
     def authenticate(self, authorization: str | None, api_key: str | None) -> Tenant:
         """The tenant for a request's `Authorization` and `x-api-key` values; AuthenticationError if
         neither holds a valid key. When both are sent they must carry the same key."""
@@ -316,7 +329,11 @@ class AuthMiddleware:
             return
         state = scope.setdefault("state", {})
         try:
-            tenant = self.authenticator.authenticate(header(scope, AUTHORIZATION), header(scope, X_API_KEY))
+            # A drainer's in-process run of a queued job (never a request from the network) carries the
+            # tenant of the key that queued it.
+            tenant = JOB_TENANT.get() or self.authenticator.authenticate(
+                header(scope, AUTHORIZATION), header(scope, X_API_KEY)
+            )
         except AuthenticationError as exc:
             self.metrics.observe_auth_failure(exc.reason)
             await error_response(describe(exc))(scope, receive, send)

@@ -20,6 +20,9 @@ from services.common.tenants import Tenant, open_tenant
 # The public gRPC API's hand-off from its auth interceptor to the servicer of the same call (each call
 # runs in its own task and context).
 CALL_TENANT: ContextVar[Tenant | None] = ContextVar("kvrelay_call_tenant", default=None)
+# A drainer's hand-off to the codec app it calls in-process (services/codec/lane/drainer.py): the tenant of
+# the queued job it runs. Set only inside that call's task; a request from the network never has it.
+JOB_TENANT: ContextVar[Tenant | None] = ContextVar("kvrelay_job_tenant", default=None)
 
 
 def tenant_of(connection: HTTPConnection) -> Tenant:

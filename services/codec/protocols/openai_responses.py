@@ -54,7 +54,6 @@ from fastapi.responses import JSONResponse, Response
 
 from services.codec.admission import tenancy
 from services.codec.admission.gate import resolve_max_tokens
-from services.codec.background import BackgroundResponses
 from services.codec.errors import (
     INVALID_REQUEST,
     UnsupportedParameterError,
@@ -62,14 +61,15 @@ from services.codec.errors import (
     error_response,
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
+from services.codec.lane.background import JOB_RUN, BackgroundResponses
 from services.codec.protocols.cache_retention import check_retention, retention_breakpoints
 from services.codec.protocols.common import admit_and_start, open_route, stream_response
 from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
 from services.codec.protocols.disconnect import run_unless_gone
 from services.codec.protocols.openai_responses_background import (
-    JOB_RUN,
     cancel_background,
     create_background,
+    delete_background,
     draft_for,
     retrieve_background,
 )
@@ -213,12 +213,16 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
-    background = await retrieve_background(request, tenant_of(request), response_id)
-    if background is not None:
-        return background
-    if request.query_params.get("stream", "").lower() == "true":
+    """A stored response (a background one once it ended is stored too), else a background one as it
+    stands; `stream=true` replays a background response's events."""
+    streamed = request.query_params.get("stream", "").lower() == "true"
+    record = None if streamed else await response_store(request.app).get(tenant_of(request), response_id)
+    if record is None:
+        background = await retrieve_background(request, tenant_of(request), response_id)
+        if background is not None:
+            return background
+    if streamed:
         raise UnsupportedParameterError("only a background response can be streamed again", "stream")
-    record = await response_store(request.app).get(tenant_of(request), response_id)
     if record is None:
         return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
     return JSONResponse(record.body)
@@ -236,7 +240,8 @@ async def cancel_response(request: Request, response_id: str) -> Response:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
-    if not await response_store(request.app).delete(tenant_of(request), response_id):
+    stored = await response_store(request.app).delete(tenant_of(request), response_id)
+    if not await delete_background(request, tenant_of(request), response_id) and not stored:
         return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 

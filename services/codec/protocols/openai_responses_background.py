@@ -2,14 +2,15 @@
 
 `POST /v1/responses` with `background: true` (it needs `store`, and a queue: `queue.url`): the request is
 checked as any other (its prompt rendered and counted, its priority class resolved against the key,
-400s now rather than later), kept `queued` on the queue's Redis (services/codec/background.py) and
+400s now rather than later), kept `queued` on the queue's Redis (services/codec/lane/background.py) and
 answered at once with the `queued` response; with `stream: true` the answer is its events, followed
-until it ends. A drainer (services/codec/drainer.py) runs it later through this same route, as the job's
+until it ends. A drainer (services/codec/lane/drainer.py) runs it later through this same route, as the job's
 tenant and class (`JOB_RUN` marks that request: it runs instead of queueing again, under the queued ID).
 
 - `GET /v1/responses/{id}`: a background response as it stands, from any codec replica.
 - `GET /v1/responses/{id}?stream=true[&starting_after=N]`: its events after sequence number N (from the
   start without it), then the live ones until it ends; `data: [DONE]` closes the stream.
+- `DELETE /v1/responses/{id}`: forgets it (cancelling it first if it has not ended).
 - `POST /v1/responses/{id}/cancel`: a queued response is cancelled at once and never runs; a running
   one is stopped by its drainer within a moment (its output so far is kept). The answer is the response
   with status `cancelled`; cancelling one that already ended answers it unchanged. Only background
@@ -24,16 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextvars import ContextVar
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.codec.admission.tenancy import tenant_of
-from services.codec.background import KIND, BackgroundRecord, BackgroundResponses
 from services.codec.errors import UnsupportedParameterError, describe
-from services.codec.job_queue import Job
+from services.codec.lane.background import JOB_RUN, KIND, BackgroundRecord, BackgroundResponses
+from services.codec.lane.queue import Job
 from services.codec.metrics import RequestStats
 from services.codec.protocols.openai_responses_events import ResponseDraft
 from services.codec.protocols.schemas.responses import ResponsesRequest
@@ -44,17 +43,6 @@ from services.codec.state import CodecState, codec_state, request_id
 from services.common import priority
 from services.common.config import QuotasConfig
 from services.common.errors import InvalidRequestError
-
-
-@dataclass(frozen=True)
-class JobRun:
-    """A drainer's in-process request running a queued response: its ID and creation time."""
-
-    response_id: str
-    created_at: int
-
-
-JOB_RUN: ContextVar[JobRun | None] = ContextVar("kvrelay_job_run", default=None)
 
 
 def background_of(request: Request) -> BackgroundResponses | None:
@@ -145,6 +133,18 @@ async def cancel_background(request: Request, tenant: str, response_id: str) -> 
     cancelled = {**record.body, "status": "cancelled", "completed_at": int(time.time())}
     await background.put(BackgroundRecord(tenant, cancelled))
     return JSONResponse(cancelled)
+
+
+async def delete_background(request: Request, tenant: str, response_id: str) -> bool:
+    """Forget a background response (cancelled first if it has not ended); False when there is none."""
+    background = background_of(request)
+    record = await background.get(tenant, response_id) if background is not None else None
+    if background is None or record is None:
+        return False
+    if not record.is_over:
+        await background.queue.cancel(response_id)
+    await background.forget(response_id)
+    return True
 
 
 def _starting_after(value: str | None) -> int:

@@ -171,7 +171,7 @@ class ResponseDraft:
             "max_tool_calls": request.max_tool_calls,
             "previous_response_id": request.previous_response_id,
             "store": request.is_stored,
-            "background": False,
+            "background": request.background is True,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "top_p": 1.0 if request.top_p is None else request.top_p,
             "presence_penalty": 0.0,

@@ -1,4 +1,4 @@
-"""The durable queue (services/codec/job_queue.py) on a real redis-server of the queue role (noeviction,
+"""The durable queue (services/codec/lane/queue.py) on a real redis-server of the queue role (noeviction,
 append-only file, fsync always) started on a free port: class order, caps, results written once, a dead
 consumer's job taken over, cancellation, a Redis restart that loses nothing, and a Redis that is down."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.codec.job_queue import Job, JobQueue, QueueFullError, QueueUnavailableError, new_job_id
+from services.codec.lane.queue import Job, JobQueue, QueueFullError, QueueUnavailableError, new_job_id
 from services.common import priority
 from services.common.cache_redis import start_queue_redis, stop_cache_redis
 from tests.ports import free_port

@@ -8,7 +8,7 @@ codec replica reads it and none holds it:
 - its events, `<prefix>events:<id>`: every streaming event, in sequence order (`response.queued` is 0,
   the run's events follow), which `GET /v1/responses/{id}?stream=true&starting_after=N` replays from N+1
   and then follows live; an entry without an event marks the end;
-- its job on the queue (services/codec/job_queue.py), whose result, written once, holds the final object.
+- its job on the queue (services/codec/lane/queue.py), whose result, written once, holds the final object.
 
 Records and events expire `queue.result_ttl_s` after the response ends. Another tenant's ID reads as
 absent (a 404).
@@ -18,14 +18,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from services.codec.job_queue import Job, JobQueue
+from services.codec.lane.queue import Job, JobQueue
+from services.codec.state import CodecIdentity
+from services.common.config import QueueConfig
 
 KIND = "response"  # the jobs' kind
 TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 END = "end"  # the events stream's closing entry: its field, with the final status
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """A drainer's in-process request running a queued response: its ID and creation time."""
+
+    response_id: str
+    created_at: int
+
+
+# Set by the drainer around its in-process request (its task's context only): the Responses route runs
+# that request instead of queueing it again, under the queued response's ID.
+JOB_RUN: ContextVar[JobRun | None] = ContextVar("kvrelay_job_run", default=None)
 
 
 @dataclass(frozen=True)
@@ -83,18 +99,26 @@ class BackgroundResponses:
 
     async def get(self, tenant: str, response_id: str) -> BackgroundRecord | None:
         """The response as it stands: its job's result once written, else its record. None when it is
-        unknown or another tenant's."""
-        result = await self.queue.result(response_id)
+        unknown, deleted or another tenant's."""
         async with self.queue.calling("read a background response"):
-            text = result if result is not None else await self.client.get(self.record_key(response_id))
-        if text is None:
+            kept = await self.client.get(self.record_key(response_id))
+        if kept is None:
             return None
+        result = await self.queue.result(response_id)
+        text = result if result is not None else kept
         record = BackgroundRecord.from_json(text)
         return record if record.tenant == tenant else None
 
     async def put(self, record: BackgroundRecord) -> None:
         async with self.queue.calling("update a background response"):
             await self.client.set(self.record_key(record.body["id"]), record.to_json())
+
+    async def forget(self, response_id: str) -> None:
+        """Drop the record, the events and the result (a DELETE); a running job still ends, unseen."""
+        async with self.queue.calling("delete a background response"):
+            await self.client.delete(
+                self.record_key(response_id), self.events_key(response_id), self.queue.result_key(response_id)
+            )
 
     async def last_sequence(self, response_id: str) -> int:
         """The sequence number of the last event kept (-1: none)."""
@@ -117,7 +141,7 @@ class BackgroundResponses:
         response_id, ttl = record.body["id"], self.queue.result_ttl_s
         async with self.queue.calling("close a background response"):
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.record_key(response_id), record.to_json(), ex=ttl)
+            pipe.set(self.record_key(response_id), record.to_json(), ex=ttl, xx=True)  # unless deleted
             pipe.xadd(self.events_key(response_id), {END: record.body.get("status", "")})
             pipe.expire(self.events_key(response_id), ttl)
             await pipe.execute()
@@ -139,3 +163,19 @@ class BackgroundResponses:
                     event = json.loads(fields["event"])
                     if int(event["sequence_number"]) > after:
                         yield event
+
+
+def background_from_config(config: QueueConfig, identity: CodecIdentity) -> BackgroundResponses | None:
+    """Background responses on `queue.url`'s Redis, for the model `identity` serves; None without one."""
+    if config.url is None:
+        return None
+    queue = JobQueue.from_url(
+        config.url,
+        identity.model_fingerprint or identity.tokenizer_fingerprint,
+        config.socket_timeout_ms / 1000,
+        key_prefix=config.key_prefix,
+        claim_after_s=config.claim_after_ms / 1000,
+        max_attempts=config.max_attempts,
+        result_ttl_s=config.result_ttl_s,
+    )
+    return BackgroundResponses(queue)
