@@ -132,6 +132,7 @@ class FakeBackend:
     closed_early: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     statuses_value: list[ServiceStatus] = field(default_factory=list)
+    status_reads: int = 0  # calls of `statuses` (a drainer reads them before it takes each job)
     is_closed: bool = False
     model_fingerprint: str = "fake-model-fp"  # the workers' served one: responses' system_fingerprint
     numerics: str = "default"
@@ -176,6 +177,7 @@ class FakeBackend:
     async def statuses(self) -> list[ServiceStatus]:
         if self.is_unavailable:
             raise BackendUnavailableError("fake backend is down")
+        self.status_reads += 1
         return list(self.statuses_value)
 
     async def close(self) -> None:

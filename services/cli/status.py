@@ -9,8 +9,9 @@ to a local recompute. Each worker also shows the weights it serves (model.weight
 step its C kernels take, the weights' resident bytes) and how many engine steps took each path (the C
 kernels, torch's GEMMs), and the KV tiers below its pool (docs/kv-tiers.md): each one's state (DOWN
 while its breaker is open), its hits/misses in segments and, where known, the bytes it holds. `--json`
-prints the codec's document unchanged. The document comes from services/common/status_client.py (which
-the benchmarks read counters with too).
+prints the codec's document unchanged. With the async lane's queue (queue.url), one more line says what
+waits and runs there per priority class, and the oldest job's age. The document comes from
+services/common/status_client.py (which the benchmarks read counters with too).
 """
 
 from __future__ import annotations
@@ -60,8 +61,22 @@ def run(args: argparse.Namespace) -> int:
     except StackUnreachableError as exc:
         print(f"kvrelay status: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    print(json.dumps(document, indent=2) if args.json else format_table(document["services"]))
+    if args.json:
+        print(json.dumps(document, indent=2))
+        return 0
+    print(format_table(document["services"]))
+    if "queue" in document:
+        print(format_queue(document["queue"]))
     return 0
+
+
+def format_queue(queue: Mapping[str, Any]) -> str:
+    """One line: the queue's jobs by class (queued/running) and the oldest one's age, or that it is down."""
+    if not queue.get("up"):
+        return "queue: DOWN (its Redis does not answer: background responses are refused)"
+    parts = [f"{c['class']} {c['queued']}/{c['running']}" for c in queue["classes"]]
+    oldest = max((c["oldest_age_s"] for c in queue["classes"]), default=0.0)
+    return f"queue (queued/running): {', '.join(parts)}; oldest {oldest:.1f} s"
 
 
 def format_table(services: Sequence[Mapping[str, Any]]) -> str:

@@ -15,7 +15,9 @@ The plan (worker slots, ports, the thread split, the children's command lines an
 services/common/local_stack.py, which the benchmarks' stacks share; the supervisor that runs it is
 services/common/supervisor.py. This module adds the flags, the GPU share, the busy-port check, the KV
 cache's own redis-server when `kv_tiers.shared_url` names this machine and nothing answers there
-(services/common/cache_redis.py), and the foreground run.
+(services/common/cache_redis.py), likewise the queue's (queue.url: a redis-server of the queue role whose
+append-only file outlives the stack, under $XDG_STATE_HOME/kvrelay), and the foreground run. With
+queue.url set the codec also drains the queue (`kvrelay codec --drain`, docs/async.md).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from services.common.cache_redis import local_cache_redis
+from services.common.cache_redis import local_cache_redis, local_queue_redis
 from services.common.config import KV_TIERS_PASSWORD_ENV, KvrelayConfig, load_config
 from services.common.errors import ModelNotFoundError
 from services.common.local_stack import (
@@ -55,6 +57,8 @@ from services.common.supervisor import Supervisor, SupervisorOptions
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 30.0
+# Where a queue Redis that `kvrelay up` starts keeps its append-only file (queue.url on this machine).
+QUEUE_DATA_DIR = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "kvrelay"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -116,10 +120,15 @@ def run(args: argparse.Namespace) -> int:
     password = os.environ.get(KV_TIERS_PASSWORD_ENV)
     with (
         local_cache_redis(cfg.kv_tiers.shared_url, password) as cache_port,
+        local_queue_redis(cfg.queue.url, QUEUE_DATA_DIR) as queue_port,
         tempfile.TemporaryDirectory(prefix="kvrelay-up-") as tmp,
     ):
         if cache_port is not None:
             log.info("started the KV cache's redis-server", extra={"port": cache_port})
+        if queue_port is not None:
+            log.info(
+                "started the queue's redis-server", extra={"port": queue_port, "dir": str(QUEUE_DATA_DIR)}
+            )
         plan = StackPlan(
             host=host,
             ports=ports,
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             mode=mode,
             worker_roles=tuple(w.role for w in workers),
             tls=cfg.internal_tls,
+            drain=cfg.queue.url is not None,
         )
         return _supervise(plan, args.grace_seconds)
 

@@ -14,6 +14,7 @@ from services.codec.backend.protocol import Backend
 from services.codec.errors import install_error_handlers
 from services.codec.lane.background import background_from_config
 from services.codec.lane.drainer import Drainer
+from services.codec.lane.metrics import refreshing
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from services.codec.protocols import (
     anthropic_messages,
@@ -51,7 +52,7 @@ def create_app(
     state = CodecState.build(backend, tokenizer, config, identity)
     if authenticator is None:
         authenticator = Authenticator.from_config(config.auth)
-    background = background_from_config(config.queue, identity)
+    background = background_from_config(config.queue, identity, state.metrics.registry)
     if drain and background is None:
         raise ConfigError("a drainer needs the async lane's queue: set queue.url (docs/async.md)")
 
@@ -65,7 +66,15 @@ def create_app(
         draining = asyncio.create_task(drainer.run()) if drainer is not None else None
         app.state.drainer = drainer
         try:
-            async with serve_alongside(state) if serve_alongside else nullcontext():
+            alongside: AbstractAsyncContextManager[object] = (
+                serve_alongside(state) if serve_alongside else nullcontext()
+            )
+            gauges: AbstractAsyncContextManager[object] = (
+                refreshing(background.metrics, background.queue, config.queue.metrics_refresh_ms / 1000)
+                if background
+                else nullcontext()
+            )
+            async with alongside, gauges:
                 yield
                 if drainer is not None and draining is not None:
                     await drainer.stop(grace_s)

@@ -3,8 +3,10 @@
 GET /health    200 {"status": "ok"} while the process serves HTTP (liveness)
 GET /ready     200 only when the backend answers and its tokenizer fingerprint equals ours, else 503
 GET /version   kvrelay's version, the model name and both sides' fingerprints
-GET /status    {"services": [codec, router, workers...]}, each with load and KV-cache counters; with API
-               keys configured, only for an admin key (403 otherwise): it names internal addresses
+GET /status    {"services": [codec, router, workers...]}, each with load and KV-cache counters, and with
+               queue.url {"queue": {"up", "classes": [{class, queued, running, oldest_age_s}]}} (the async
+               lane's durable queue); with API keys configured, only for an admin key (403 otherwise): it
+               names internal addresses
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.codec.admission.tenancy import tenant_of
 from services.codec.backend.protocol import BackendUnavailableError, ServiceStatus
+from services.codec.lane.queue import JobQueue, QueueUnavailableError
 from services.codec.state import CodecState, codec_state
+from services.common import priority
 
 KV_BLOCK_KEYS = ("total", "active", "cached", "free")
 PREFIX_CACHE_KEYS = ("queries", "hits")
@@ -78,7 +82,24 @@ async def status(request: Request) -> JSONResponse:
         behind = await state.backend.statuses()
     except BackendUnavailableError:
         behind = []
-    return JSONResponse({"services": [_status_body(s) for s in (codec, *behind)]})
+    document: dict[str, Any] = {"services": [_status_body(s) for s in (codec, *behind)]}
+    background = getattr(request.app.state, "background", None)
+    if background is not None:
+        document["queue"] = await _queue_status(background.queue)
+    return JSONResponse(document)
+
+
+async def _queue_status(queue: JobQueue) -> dict[str, Any]:
+    try:
+        stats = await queue.stats()
+    except QueueUnavailableError:
+        return {"up": False, "classes": []}
+    classes = [
+        {"class": priority.name_of(s.priority), "queued": s.queued, "running": s.running,
+         "oldest_age_s": round(s.oldest_age_s, 3)}
+        for s in stats
+    ]  # fmt: skip
+    return {"up": True, "classes": classes}
 
 
 def kvrelay_version() -> str:

@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from services.common.errors import KvrelayError
@@ -115,6 +116,24 @@ def stop_cache_redis(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def local_queue_redis(url: str | None, data_dir: Path) -> Iterator[int | None]:
+    """Around a stack: start the queue Redis `url` names on this machine if nothing answers there (its
+    port), keeping its append-only file in `data_dir`/queue-<port>, and stop it after; None when there is
+    nothing to start. The data outlives the stack: a restart finds the jobs it had queued."""
+    port = local_port(url) if url else None
+    if port is None or answers(port):
+        yield None
+        return
+    directory = data_dir / f"queue-{port}"
+    directory.mkdir(parents=True, exist_ok=True)
+    proc = start_queue_redis(port, str(directory))
+    try:
+        yield port
+    finally:
+        stop_cache_redis(proc)
 
 
 @contextmanager

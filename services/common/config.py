@@ -227,6 +227,7 @@ class QueueConfig(_Section):
     drain_concurrency: int = Field(default=4, gt=0)
     drain_max_waiting: int = Field(default=0, ge=0)
     drain_poll_ms: int = Field(default=250, gt=0)
+    metrics_refresh_ms: int = Field(default=5000, gt=0)  # how often a codec reads the queue's gauges
 
 
 class ResultCacheConfig(_Section):

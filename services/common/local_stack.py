@@ -92,6 +92,7 @@ class StackPlan:
     mode: str = COLOCATED
     worker_roles: tuple[str, ...] = ()  # one per worker port; empty means every worker is colocated
     tls: TlsConfig | None = None  # internal mutual TLS, for the health probes
+    drain: bool = False  # the codec also runs queued background responses (queue.url is set)
 
     def workers(self) -> list[WorkerSlot]:
         """Name and role of every worker, in port order."""
@@ -247,7 +248,7 @@ def build_specs(plan: StackPlan, python: str = sys.executable) -> list[ServiceSp
     flags = {**config, **model, "--router": router_address, **_listen(plan.host, plan.ports.codec)}
     if plan.grpc_port:
         flags["--grpc-port"] = str(plan.grpc_port)
-    argv = kvrelay_argv("codec", *_flatten(flags), python=python)
+    argv = kvrelay_argv("codec", *_flatten(flags), *(["--drain"] if plan.drain else []), python=python)
     ready = HttpReadyCheck(f"{public_url(_probe_host(plan.host), plan.ports.codec)}/ready")
     specs.append(ServiceSpec("codec", Role.CODEC, argv, plan.env, plan.ports.codec, ready))
     return specs

@@ -7,6 +7,7 @@ the permission (400), and a queue that is down (503) while interactive requests 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from services.cli.status import format_queue
 from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
 from services.codec.backend.protocol import ServiceStatus
 from services.codec.text.tokenizer import Tokenizer
@@ -53,15 +55,20 @@ def lane(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     port = free_port()
     redis = start_queue_redis(port, str(tmp))
     keys, records = {}, []
-    for name, allowed in (("plain", False), ("vip", True), ("capped", False)):
+    for name, allowed in (("plain", False), ("vip", True), ("capped", False), ("ops", False)):
         key_id, key = new_key()
-        records.append(KeyRecord(key_id=key_id, tenant=name, sha256=key_digest(key), priority_tier=allowed))
+        record = KeyRecord(
+            key_id=key_id, tenant=name, sha256=key_digest(key), priority_tier=allowed, admin=name == "ops"
+        )
+        records.append(record)
         keys[name] = key
     write_keys_file(tmp / "keys.yaml", records)
     quotas = QuotasConfig(tenants={"capped": TenantQuota(max_queued_jobs=1)})
     config = KvrelayConfig(
         auth=AuthConfig(keys_file=str(tmp / "keys.yaml")),
-        queue=QueueConfig(url=f"redis://127.0.0.1:{port}/0", claim_after_ms=2000, drain_poll_ms=50),
+        queue=QueueConfig(
+            url=f"redis://127.0.0.1:{port}/0", claim_after_ms=2000, drain_poll_ms=50, metrics_refresh_ms=100
+        ),
         quotas=quotas,
     )
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -80,6 +87,14 @@ def fresh(lane: Lane, model_dir: Path) -> None:
     lane.fake.reset()
     lane.fake.statuses_value = list(IDLE)
     lane.fake.script = scripted([Tokenizer.from_dir(model_dir).encode("Hello world")])
+
+
+def pause_drainer(lane: Lane) -> None:
+    """Make the pools look busy and wait until the drainer has seen it twice: from then on it takes
+    nothing (a take it started on the idle view before has ended by the second look)."""
+    lane.fake.statuses_value = list(BUSY)
+    seen = lane.fake.status_reads
+    wait_for(lambda: lane.fake.status_reads >= seen + 2, "the drainer never looked at the pools again")
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
@@ -145,7 +160,7 @@ def test_a_running_response_is_cancelled_and_its_generation_stops(lane: Lane) ->
 
 
 def test_a_queued_response_cancelled_never_runs(lane: Lane) -> None:
-    lane.fake.statuses_value = list(BUSY)  # the pools are busy: the drainer takes nothing
+    pause_drainer(lane)  # the pools are busy: the drainer takes nothing
     client = lane.client(lane.accepting)
     created = client.responses.create(
         model=MODEL_NAME, input="Say hello.", max_output_tokens=8, background=True
@@ -173,7 +188,7 @@ def test_the_high_class_needs_the_permission_and_keeps_it_in_the_queue(lane: Lan
 
 
 def test_a_tenant_over_its_queue_cap_gets_a_429(lane: Lane) -> None:
-    lane.fake.statuses_value = list(BUSY)
+    pause_drainer(lane)
     client = lane.client(lane.accepting, "capped")
     first = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=4, background=True)
     with pytest.raises(openai.RateLimitError) as full:
@@ -229,3 +244,32 @@ def test_a_queue_that_is_down_is_a_503_for_background_work_only(lane: Lane, mode
         answer = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=4)
         assert answer.status == "completed" and answer.output_text == "Hello world"
         assert client.responses.retrieve(answer.id).output_text == "Hello world"  # stored ones still read
+
+
+def test_status_and_metrics_show_the_queue_by_class(lane: Lane) -> None:
+    pause_drainer(lane)  # nothing drains: the jobs stay queued
+    client = lane.client(lane.accepting)
+    made = [
+        client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=4, background=True, **tier)
+        for tier in ({"service_tier": "flex"}, {"service_tier": "flex"}, {})
+    ]
+    ops = {"authorization": f"Bearer {lane.keys['ops']}"}
+    document = httpx.get(f"{lane.draining}/status", headers=ops).json()
+    classes = {c["class"]: c for c in document["queue"]["classes"]}
+    assert document["queue"]["up"] and (classes["low"]["queued"], classes["normal"]["queued"]) == (2, 1)
+    assert classes["high"]["queued"] == 0 and classes["low"]["oldest_age_s"] >= 0
+    assert format_queue(document["queue"]).startswith("queue (queued/running): high 0/0, normal 1/0, low 2/0")
+
+    def gauge() -> float | None:
+        text = httpx.get(f"{lane.accepting}/metrics").text
+        found = re.search(r'^kvrelay_queue_jobs\{class="low",state="queued"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else None
+
+    wait_for(lambda: gauge() == 2.0, "the queue gauge never showed the low-class jobs")
+    assert 'kvrelay_queue_jobs_created_total{class="low"}' in httpx.get(f"{lane.accepting}/metrics").text
+    for response in made:
+        client.responses.cancel(response.id)
+    lane.fake.statuses_value = list(IDLE)
+    wait_for(lambda: gauge() == 0.0, "the cancelled jobs were never retired")
+    drained = httpx.get(f"{lane.draining}/metrics").text
+    assert re.search(r'^kvrelay_queue_jobs_drained_total\{outcome="cancelled"\} [1-9]', drained, re.M)

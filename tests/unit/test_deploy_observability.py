@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
 from services.codec.text.tokenizer import Tokenizer
+from services.common.cache_redis import start_queue_redis, stop_cache_redis
 from services.common.config import KvrelayConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineStats
@@ -43,6 +45,7 @@ from services.router.tier_index import TierIndex
 from services.worker.counters import TransferCounters
 from services.worker.metrics import WorkerMetrics
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvrelay-dashboard.json"
@@ -213,6 +216,7 @@ def exported(model_dir: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.Tem
     keys_dir = tmp_path_factory.mktemp("keys")
     exported.add(scrape_codec_with_quotas(model_dir, tokenizer, keys_dir))
     exported.add(scrape_codec_with_quota_store_down(model_dir, tokenizer))
+    exported.add(scrape_codec_with_a_queue(model_dir, tokenizer, tmp_path_factory.mktemp("queue")))
     exported.add(scrape_worker())
     exported.add(scrape_router())
     return exported
@@ -325,6 +329,32 @@ def scrape_codec_with_quota_store_down(model_dir: Path, tokenizer: Tokenizer) ->
         reply = client.post("/v1/chat/completions", json={**chat, "temperature": 0}, headers=use)
         assert reply.status_code == 200 and reply.headers["x-kvrelay-result-cache"] == "miss"
         return client.get("/metrics").text
+
+
+def scrape_codec_with_a_queue(model_dir: Path, tokenizer: Tokenizer, data_dir: Path) -> str:
+    """The async lane's queue on a real queue-role Redis, one background response queued (no drainer):
+    the queue's gauges once a refresh has read them."""
+    port = free_port()
+    redis = start_queue_redis(port, str(data_dir))
+    config = KvrelayConfig.model_validate(
+        {"queue": {"url": f"redis://127.0.0.1:{port}/0", "metrics_refresh_ms": 100}}
+    )
+    body = {"model": MODEL_NAME, "input": "Count.", "max_output_tokens": 8, "background": True}
+    try:
+        with (
+            codec_server(model_dir, tokenizer, config) as url,
+            httpx.Client(base_url=url, timeout=30) as client,
+        ):
+            assert client.post("/v1/responses", json=body).json()["status"] == "queued"
+            deadline = time.monotonic() + 30
+            while 'kvrelay_queue_jobs{class="normal",state="queued"} 1.0' not in (
+                text := client.get("/metrics").text
+            ):
+                assert time.monotonic() < deadline, "the queue's gauges never showed the queued job"
+                time.sleep(0.05)
+            return text
+    finally:
+        stop_cache_redis(redis)
 
 
 def codec_server(model_dir: Path, tokenizer: Tokenizer, config: KvrelayConfig) -> AbstractContextManager[str]:

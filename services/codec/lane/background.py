@@ -22,8 +22,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
+from services.codec.lane.metrics import LaneMetrics
 from services.codec.lane.queue import Job, JobQueue
 from services.codec.state import CodecIdentity
+from services.common import priority
 from services.common.config import QueueConfig
 
 KIND = "response"  # the jobs' kind
@@ -65,8 +69,9 @@ class BackgroundRecord:
 class BackgroundResponses:
     """Background responses over `queue` (its Redis and key prefix)."""
 
-    def __init__(self, queue: JobQueue) -> None:
+    def __init__(self, queue: JobQueue, metrics: LaneMetrics) -> None:
         self.queue = queue
+        self.metrics = metrics
         self.client = queue.client
         self.prefix = queue.prefix
 
@@ -96,6 +101,7 @@ class BackgroundResponses:
             async with self.queue.calling("drop a refused background response"):
                 await self.client.delete(self.record_key(response_id), self.events_key(response_id))
             raise
+        self.metrics.created.labels(priority.name_of(job.priority)).inc()
 
     async def get(self, tenant: str, response_id: str) -> BackgroundRecord | None:
         """The response as it stands: its job's result once written, else its record. None when it is
@@ -165,8 +171,11 @@ class BackgroundResponses:
                         yield event
 
 
-def background_from_config(config: QueueConfig, identity: CodecIdentity) -> BackgroundResponses | None:
-    """Background responses on `queue.url`'s Redis, for the model `identity` serves; None without one."""
+def background_from_config(
+    config: QueueConfig, identity: CodecIdentity, registry: CollectorRegistry
+) -> BackgroundResponses | None:
+    """Background responses on `queue.url`'s Redis, for the model `identity` serves, their instruments
+    on `registry`; None without a queue."""
     if config.url is None:
         return None
     queue = JobQueue.from_url(
@@ -178,4 +187,4 @@ def background_from_config(config: QueueConfig, identity: CodecIdentity) -> Back
         max_attempts=config.max_attempts,
         result_ttl_s=config.result_ttl_s,
     )
-    return BackgroundResponses(queue)
+    return BackgroundResponses(queue, LaneMetrics(registry))

@@ -29,7 +29,6 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message
@@ -51,16 +50,6 @@ WORKER_ROLES = frozenset({"colocated", "prefill", "decode"})
 CANCEL_CHECK_S = 0.2  # how often a running job looks at its cancel flag
 
 
-@dataclass
-class DrainerCounts:
-    """What this drainer did, by outcome (completed, incomplete, failed, cancelled, retried, released)."""
-
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, outcome: str) -> None:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-
 class Drainer:
     def __init__(
         self,
@@ -77,7 +66,7 @@ class Drainer:
         self.config = config
         self.statuses = statuses
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.counts = DrainerCounts()
+        self.drained = background.metrics.drained
         self.running: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
         self._unavailable_logged = False
@@ -134,11 +123,11 @@ class Drainer:
             final = await self._outcome(job)
             if await self.queue.finish(job, BackgroundRecord(job.tenant, final).to_json()):
                 await self.background.end(BackgroundRecord(job.tenant, final))
-            self.counts.add(str(final.get("status")))
+            self.drained.labels(str(final.get("status"))).inc()
         except asyncio.CancelledError:
             with contextlib.suppress(QueueUnavailableError):
                 await asyncio.shield(self.queue.release(job))  # shutting down: another drainer takes it
-            self.counts.add("released")
+            self.drained.labels("released").inc()
             raise
         except QueueUnavailableError as exc:  # left pending: taken over once the Redis is back
             logger.error("job %s left to be retried: %s", job.job_id, exc)
@@ -170,7 +159,7 @@ class Drainer:
             outcome = await _Run(self, job, tenant, record).run()
             if outcome is not None:
                 return outcome
-            self.counts.add("retried")
+            self.drained.labels("retried").inc()
             await asyncio.sleep(1.0)  # refused for a quota or overload: the slot or budget comes back
 
 
