@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from services.bench import agreement, engine, grammar, kv_tiers, peers, stack, threshold
+from services.bench import agreement, async_lane, engine, grammar, kv_tiers, peers, stack, threshold
 from services.bench.admission import command as admission
 from services.bench.routing import command as routing
 from services.bench.serve import command as serve
@@ -30,6 +30,7 @@ SUBCOMMANDS = (
     grammar,
     threshold,
     kv_tiers,
+    async_lane,
 )
 
 

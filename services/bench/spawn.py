@@ -208,6 +208,7 @@ def up_plan(settings: UpSettings) -> StackPlan:
         mode=settings.mode,
         worker_roles=tuple(w.role for w in workers),
         tls=cfg.internal_tls,
+        drain=cfg.queue.url is not None,  # as `kvrelay up`: the codec drains the queue it is given
     )
 
 

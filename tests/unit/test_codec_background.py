@@ -273,3 +273,23 @@ def test_status_and_metrics_show_the_queue_by_class(lane: Lane) -> None:
     wait_for(lambda: gauge() == 0.0, "the cancelled jobs were never retired")
     drained = httpx.get(f"{lane.draining}/metrics").text
     assert re.search(r'^kvrelay_queue_jobs_drained_total\{outcome="cancelled"\} [1-9]', drained, re.M)
+
+
+def test_a_run_that_fails_ends_failed_with_its_error(lane: Lane) -> None:
+    lane.fake.fail_after = 1  # the worker dies after one token
+    client = lane.client(lane.accepting)
+    created = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=8, background=True)
+    final = wait_for(
+        lambda: (r := client.responses.retrieve(created.id)).status not in ("queued", "in_progress") and r,
+        "never ended",
+    )
+    assert final.status == "failed" and final.error is not None and final.error.code == "server_error"
+    with pytest.raises(openai.APIError, match="generation failed"):  # as the live stream did: its error event
+        list(client.responses.retrieve(created.id, stream=True))
+    raw = httpx.get(
+        f"{lane.draining}/v1/responses/{created.id}",
+        params={"stream": "true"},
+        headers={"authorization": f"Bearer {lane.keys['plain']}"},
+    ).text
+    types = [json.loads(line[6:])["type"] for line in raw.splitlines() if line.startswith("data: {")]
+    assert types[-2:] == ["error", "response.failed"] and raw.endswith("data: [DONE]\n\n")

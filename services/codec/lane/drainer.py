@@ -131,6 +131,14 @@ class Drainer:
             raise
         except QueueUnavailableError as exc:  # left pending: taken over once the Redis is back
             logger.error("job %s left to be retried: %s", job.job_id, exc)
+        except Exception as exc:  # a bug here must not leave the job pending forever: it fails
+            logger.error("job %s failed in the drainer", job.job_id, exc_info=exc)
+            failed = _failed({"id": job.job_id}, f"the drainer failed: {type(exc).__name__}")
+            record = await self.background.get(job.tenant, job.job_id)
+            final = _failed(record.body, failed["error"]["message"]) if record is not None else failed
+            if await self.queue.finish(job, BackgroundRecord(job.tenant, final).to_json()):
+                await self.background.end(BackgroundRecord(job.tenant, final))
+            self.drained.labels("failed").inc()
         finally:
             renewing.cancel()
             self.running.pop(job.job_id, None)
@@ -262,7 +270,7 @@ class _Run:
         events, final = [], None
         for payload in payloads:
             event = json.loads(payload)
-            if "type" not in event:  # OpenAI's in-band error: the failed events follow
+            if "sequence_number" not in event:  # an in-band error without one: response.failed follows
                 continue
             event["sequence_number"] = int(event["sequence_number"]) + 1
             if isinstance(event.get("response"), dict):
