@@ -137,6 +137,13 @@ async def test_a_released_job_is_delivered_again_at_once(queue: JobQueue) -> Non
     assert again is not None and again.job_id == taken.job_id and again.deliveries == 2
 
 
+async def test_a_job_that_costs_no_tokens_finishes_too(queue: JobQueue) -> None:
+    await queue.enqueue(job(tokens=0), max_jobs=None, max_tokens=None)
+    taken = await queue.take("c1")
+    assert taken is not None and await queue.finish(taken, "ok")  # Lua's -0 is no integer to HINCRBY
+    assert await queue.held_by("acme") == (0, 0)
+
+
 async def test_cancel_flags_a_job_until_it_finishes(queue: JobQueue) -> None:
     await queue.enqueue(queued := job(), max_jobs=None, max_tokens=None)
     await queue.cancel(queued.job_id)

@@ -66,7 +66,7 @@ _FINISH = """
 local first = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', tonumber(ARGV[2]))
 if first then
   redis.call('HINCRBY', KEYS[3], 'jobs', -1)
-  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[5]))
+  redis.call('HINCRBY', KEYS[3], 'tokens', 0 - tonumber(ARGV[5]))  -- never -0, which HINCRBY refuses
   redis.call('DEL', KEYS[4])
 end
 redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])

@@ -7,6 +7,15 @@
       {{- include "kvrelay.selectorLabels" . | nindent 6 }}
 {{- end }}
 
+{{/* The pods that run the codec: the codec's, and the drainers' (the same pod with --drain) when the async
+     lane is on. */}}
+{{- define "kvrelay.codecPeers" -}}
+{{- include "kvrelay.podPeer" (dict "root" . "component" "codec") }}
+{{- if .Values.queue.enabled }}
+{{ include "kvrelay.podPeer" (dict "root" . "component" "drainer") }}
+{{- end }}
+{{- end }}
+
 {{- define "kvrelay.policyTypes" -}}
 {{- if .Values.networkPolicy.egress.enabled }}[Ingress, Egress]{{ else }}[Ingress]{{ end }}
 {{- end }}

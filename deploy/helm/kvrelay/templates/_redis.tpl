@@ -95,9 +95,11 @@ value: {{ .url | quote }}
 {{- end }}
 
 {{/* One Redis server, Deployment and Service, for a role of its own (the bundled Redis of quotas and stored
-     Responses, the KV tiers' cache Redis): a password from a Secret (requirepass), TLS only as an option,
-     no persistence, bounded by maxmemory with an eviction policy. Call with a dict: root, component, tls,
-     tlsSecret, passwordSecret, passwordKey, maxMemory, policy (--maxmemory-policy), image, resources. */}}
+     Responses, the KV tiers' cache Redis, the async lane's queue): a password from a Secret (requirepass),
+     TLS only as an option, bounded by maxmemory with its policy. Call with a dict: root, component, tls,
+     tlsSecret, passwordSecret, passwordKey, maxMemory, policy (--maxmemory-policy), image, resources, and
+     claim: a PersistentVolumeClaim for an append-only file with fsync always (the queue), else none and no
+     persistence. */}}
 {{- define "kvrelay.redisServer" -}}
 {{- $root := .root }}
 {{- $name := include "kvrelay.componentName" (dict "root" $root "component" .component) }}
@@ -157,8 +159,16 @@ spec:
             - $(REDIS_PASSWORD)
             - --save
             - ""
+            {{- if .claim }}
+            # every write in the append-only file before it is acknowledged (the queue role)
+            - --appendonly
+            - "yes"
+            - --appendfsync
+            - always
+            {{- else }}
             - --appendonly
             - "no"
+            {{- end }}
             - --maxmemory
             - {{ .maxMemory | quote }}
             - --maxmemory-policy
@@ -201,8 +211,13 @@ spec:
             {{- end }}
       volumes:
         - name: data
+          {{- if .claim }}
+          persistentVolumeClaim:
+            claimName: {{ .claim }}
+          {{- else }}
           emptyDir:
             sizeLimit: 1Gi
+          {{- end }}
         {{- if .tls }}
         - name: tls
           secret:

@@ -1,0 +1,35 @@
+{{/* The async lane's queue (queue.enabled, docs/async.md): a Redis of its own role and its drainers. */}}
+
+{{- define "kvrelay.queuePasswordSecretName" -}}
+{{- default (include "kvrelay.componentName" (dict "root" . "component" "queue-auth")) .Values.queue.redis.auth.existingSecret }}
+{{- end }}
+
+{{- define "kvrelay.queueClaimName" -}}
+{{- include "kvrelay.componentName" (dict "root" . "component" "queue-data") }}
+{{- end }}
+
+{{/* A codec's or drainer's queue settings (KVRELAY_QUEUE__*), the password expanded by the kubelet from
+     QUEUE_PASSWORD, defined first. Call with (dict "root" $ "drain" BOOL). */}}
+{{- define "kvrelay.queueEnv" -}}
+{{- $root := .root }}
+{{- if $root.Values.queue.enabled }}
+{{- $q := $root.Values.queue }}
+- name: QUEUE_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvrelay.queuePasswordSecretName" $root }}
+      key: {{ $q.redis.auth.key }}
+- name: KVRELAY_QUEUE__URL
+  value: {{ printf "redis://:$(QUEUE_PASSWORD)@%s:6379/0" (include "kvrelay.componentName" (dict "root" $root "component" "queue")) | quote }}
+- name: KVRELAY_QUEUE__KEY_PREFIX
+  value: {{ $q.keyPrefix | quote }}
+- name: KVRELAY_QUEUE__CLAIM_AFTER_MS
+  value: {{ $q.claimAfterMs | quote }}
+{{- if .drain }}
+- name: KVRELAY_QUEUE__DRAIN_CONCURRENCY
+  value: {{ $q.drainer.concurrency | quote }}
+- name: KVRELAY_QUEUE__DRAIN_MAX_WAITING
+  value: {{ $q.drainer.maxWaiting | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
