@@ -80,6 +80,8 @@ def create_app(
                     await drainer.stop(grace_s)
                     await draining
         finally:
+            if background is not None:
+                await background.queue.aclose()
             await state.aclose()
             await backend.close()
 

@@ -129,6 +129,21 @@ async def test_a_full_queue_pushes_out_a_tenants_lowest_class_waiter_first() -> 
     assert rec.order == ["a-high", "b", "a-normal"]  # within the normal class: b's turn after a's grant
 
 
+async def test_a_full_queue_never_pushes_out_a_higher_class_than_the_arrival() -> None:
+    limiter = FairLimiter(capacity=1, queue_limit=3)
+    holder = await limiter.acquire("h")
+    rec = Recorder(limiter)
+    for i in range(3):
+        await rec.start(f"b-high{i}", "b", priority=-1)  # b holds the whole queue, in the high class
+    with pytest.raises(OverloadedError):  # a low arrival is refused rather than push a high waiter out
+        await limiter.acquire("a", priority=1)
+    assert not any(t.done() for t in rec.tasks.values())
+    holder.release()
+    await settle()
+    await rec.drain()
+    assert rec.order == ["b-high0", "b-high1", "b-high2"]
+
+
 async def test_weights_share_slots_in_proportion() -> None:
     limiter = FairLimiter(capacity=1, queue_limit=100)
     holder = await limiter.acquire("h")

@@ -84,6 +84,45 @@ async def test_a_result_is_written_once(queue: JobQueue) -> None:
     assert await queue.held_by("acme") == (0, 0)  # counted off once
 
 
+async def test_a_late_finisher_after_the_result_is_gone_counts_nothing_twice(queue: JobQueue) -> None:
+    await queue.enqueue(job(tokens=10), max_jobs=None, max_tokens=None)
+    taken = await queue.take("c1")
+    assert taken is not None and await queue.finish(taken, "first")
+    await queue.client.delete(queue.result_key(taken.job_id))  # deleted, or expired
+    await queue.finish(taken, "late")  # the first finisher presumed dead, finishing after all
+    assert await queue.held_by("acme") == (0, 0)  # never below zero: the cap still holds
+
+
+async def test_one_take_holds_one_job_whatever_the_classes_queued(queue: JobQueue) -> None:
+    await queue.enqueue(job(klass=priority.HIGH), max_jobs=None, max_tokens=None)
+    await queue.enqueue(job(klass=priority.LOW), max_jobs=None, max_tokens=None)
+    assert await queue.take("c1", block_ms=10) is not None
+    assert sum(s.running for s in await queue.stats()) == 1  # the low one is still there for anyone
+
+
+async def test_a_stale_job_behind_ten_live_ones_is_taken_over(redis_port: int) -> None:
+    queue = make_queue(redis_port, claim_after_s=0.5)
+    try:
+        live = []
+        for i in range(10):
+            await queue.enqueue(job(n=i), max_jobs=None, max_tokens=None)
+            taken = await queue.take("alive")
+            assert taken is not None
+            live.append(taken)
+        await queue.enqueue(job(n=10), max_jobs=None, max_tokens=None)
+        stale = await queue.take("dead")
+        assert stale is not None
+        deadline, found = time.monotonic() + 30, None
+        while found is None:
+            assert time.monotonic() < deadline, "the stale job behind ten pending ones was never found"
+            for t in live:
+                await queue.renew(t, "alive")
+            found = await queue.take("other")
+        assert found.job_id == stale.job_id
+    finally:
+        await queue.aclose()
+
+
 async def test_a_tenant_over_its_caps_is_refused_until_a_job_finishes(queue: JobQueue) -> None:
     for _ in range(2):
         await queue.enqueue(job(tokens=10), max_jobs=2, max_tokens=None)

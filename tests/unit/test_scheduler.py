@@ -194,3 +194,15 @@ def test_random_mix_of_finishes_aborts_and_preemptions_never_leaks(classes: tupl
     assert s.num_preemptions > 0
     assert s.kv.pool.stats().num_active == 0
     s.kv.pool.check_invariants({})
+
+
+def test_no_lower_class_request_is_preempted_when_all_of_them_would_not_make_room() -> None:
+    s = make(10, budget=64)
+    s.add(req("high-run", [1] * 20, max_tokens=4, priority=HIGH, t=0.0))  # 5 blocks, a 6th to decode
+    s.add(req("low-a", [2] * 7, max_tokens=4, priority=LOW, t=1.0))  # 2 blocks, its next token fits
+    s.add(req("low-b", [3] * 6, max_tokens=4, priority=LOW, t=2.0))  # likewise
+    run_step(s)  # 9 of 10 blocks held
+    s.add(req("high-wait", [4] * 24, max_tokens=2, priority=HIGH, t=3.0))  # 6 blocks: the lows free only 4
+    step = run_step(s)  # high-run takes the last free block
+    assert not step.preempted_ids and "high-wait" not in {c.request.parent_id for c in step.chunks}
+    assert s.num_preemptions == 0

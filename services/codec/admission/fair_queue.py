@@ -132,7 +132,7 @@ class FairLimiter:
             return Slot(self, tenant)
         if self._num_waiting >= self.queue_limit:
             try:
-                self._make_room(tenant, state)
+                self._make_room(tenant, state, priority)
             except OverloadedError:
                 self._forget_if_idle(tenant, state)
                 raise
@@ -169,10 +169,13 @@ class FairLimiter:
         state.running += 1
         self._num_running += 1
 
-    def _make_room(self, tenant: str, arriving: _TenantState) -> None:
-        """Pushes out the newest waiter of the tenant most over its share, else refuses the arrival."""
-        victim = max((s for s in self._tenants.values() if s.queue), key=lambda s: (s.share, s.queue[-1].seq))
-        if victim is arriving or victim.share <= (len(arriving.queue) + 1) / arriving.weight:
+    def _make_room(self, tenant: str, arriving: _TenantState, priority: int) -> None:
+        """Pushes out the newest lowest-class waiter of the tenant most over its share, else refuses the
+        arrival; never a waiter of a higher class than the arrival's."""
+        held = [s for s in self._tenants.values() if s.queue and s.queue[-1].priority >= priority]
+        victim = max(held, key=lambda s: (s.share, s.queue[-1].seq)) if held else None
+        fair = victim is not None and victim.share > (len(arriving.queue) + 1) / arriving.weight
+        if victim is None or victim is arriving or not fair:
             self._count(tenant, "queue_full")
             raise OverloadedError(
                 f"the server is saturated: {self._num_waiting} requests are already waiting; retry later"

@@ -116,8 +116,9 @@ class BackgroundResponses:
         return record if record.tenant == tenant else None
 
     async def put(self, record: BackgroundRecord) -> None:
+        """Update the record as it stands, unless it was deleted meanwhile (XX), keeping its TTL."""
         async with self.queue.calling("update a background response"):
-            await self.client.set(self.record_key(record.body["id"]), record.to_json())
+            await self.client.set(self.record_key(record.body["id"]), record.to_json(), xx=True, keepttl=True)
 
     async def forget(self, response_id: str) -> None:
         """Drop the record, the events and the result (a DELETE); a running job still ends, unseen."""
@@ -142,15 +143,17 @@ class BackgroundResponses:
                 pipe.xadd(self.events_key(response_id), {"event": json.dumps(event, separators=(",", ":"))})
             await pipe.execute()
 
-    async def end(self, record: BackgroundRecord) -> None:
-        """Mark the events' end and let the record and events expire in result_ttl_s."""
-        response_id, ttl = record.body["id"], self.queue.result_ttl_s
-        async with self.queue.calling("close a background response"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.record_key(response_id), record.to_json(), ex=ttl, xx=True)  # unless deleted
-            pipe.xadd(self.events_key(response_id), {END: record.body.get("status", "")})
-            pipe.expire(self.events_key(response_id), ttl)
-            await pipe.execute()
+    async def finish(self, job: Job, final: dict[str, Any]) -> bool:
+        """End the response with `final`: its job's result, its record and its events' end mark, written
+        once and together (services/codec/lane/queue.py's finish); False when another finisher won."""
+        record = BackgroundRecord(job.tenant, final)
+        owner = (
+            self.record_key(job.job_id),
+            self.events_key(job.job_id),
+            record.to_json(),
+            str(final.get("status")),
+        )
+        return await self.queue.finish(job, record.to_json(), owner)
 
     async def events_after(
         self, response_id: str, after: int, *, poll_ms: int = 1000

@@ -48,6 +48,7 @@ TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respo
 RETRYABLE = frozenset({429, 503, 529})  # a quota, the fair queue or the backend: try again later
 WORKER_ROLES = frozenset({"colocated", "prefill", "decode"})
 CANCEL_CHECK_S = 0.2  # how often a running job looks at its cancel flag
+REFUSED_FOR_S = 300.0  # a job refused for a quota or overload this long, retried every second, fails
 
 
 class Drainer:
@@ -90,7 +91,10 @@ class Drainer:
                 await self._pause(poll_s)
                 continue
             self._unavailable_logged = False
-            if job is not None:
+            if job is not None and self._stopping.is_set():  # taken while stopping: another drainer's
+                with contextlib.suppress(QueueUnavailableError):
+                    await self.queue.release(job)
+            elif job is not None:
                 self.running[job.job_id] = asyncio.create_task(self._run(job), name=f"job-{job.job_id}")
 
     async def stop(self, grace_s: float) -> None:
@@ -121,8 +125,7 @@ class Drainer:
         renewing = asyncio.create_task(self._renew(job))
         try:
             final = await self._outcome(job)
-            if await self.queue.finish(job, BackgroundRecord(job.tenant, final).to_json()):
-                await self.background.end(BackgroundRecord(job.tenant, final))
+            await self.background.finish(job, final)
             self.drained.labels(str(final.get("status"))).inc()
         except asyncio.CancelledError:
             with contextlib.suppress(QueueUnavailableError):
@@ -136,8 +139,7 @@ class Drainer:
             failed = _failed({"id": job.job_id}, f"the drainer failed: {type(exc).__name__}")
             record = await self.background.get(job.tenant, job.job_id)
             final = _failed(record.body, failed["error"]["message"]) if record is not None else failed
-            if await self.queue.finish(job, BackgroundRecord(job.tenant, final).to_json()):
-                await self.background.end(BackgroundRecord(job.tenant, final))
+            await self.background.finish(job, final)
             self.drained.labels("failed").inc()
         finally:
             renewing.cancel()
@@ -163,12 +165,20 @@ class Drainer:
         if tenant is None or tenant.tenant_id != job.tenant:
             return _failed(record.body, "the API key that queued this response was revoked")
         await self.background.put(BackgroundRecord(job.tenant, {**record.body, "status": "in_progress"}))
+        give_up = time.monotonic() + REFUSED_FOR_S
         while True:
-            outcome = await _Run(self, job, tenant, record).run()
+            run = _Run(self, job, tenant, record)
+            outcome = await run.run()
             if outcome is not None:
                 return outcome
+            if time.monotonic() > give_up:  # a budget that never comes back (a prompt over the TPM quota)
+                return _failed(
+                    record.body, f"refused for {REFUSED_FOR_S:.0f} s: {run.refusal}", "rate_limited"
+                )
             self.drained.labels("retried").inc()
             await asyncio.sleep(1.0)  # refused for a quota or overload: the slot or budget comes back
+            if await self.queue.is_cancelled(job.job_id):
+                return {**record.body, "status": "cancelled", "completed_at": int(time.time())}
 
 
 def _failed(body: dict[str, Any], message: str, code: str = "server_error") -> dict[str, Any]:
@@ -191,6 +201,7 @@ class _Run:
         self.latest = record.body  # the response object as the last event showed it
         self.messages: asyncio.Queue[Message] = asyncio.Queue()
         self.leave = asyncio.Event()  # set: the in-process client disconnects (a cancel)
+        self.refusal = ""  # why the app refused it (a quota or overload: the caller tries again)
         self.call: asyncio.Future[None]
 
     async def run(self) -> dict[str, Any] | None:
@@ -234,6 +245,7 @@ class _Run:
         if status != 200:
             text = await self._rest()
             if status in RETRYABLE:
+                self.refusal = _error_message(text)
                 return None
             return _failed(
                 self.latest, _error_message(text), "invalid_request" if status < 500 else "server_error"
@@ -275,10 +287,12 @@ class _Run:
             event["sequence_number"] = int(event["sequence_number"]) + 1
             if isinstance(event.get("response"), dict):
                 self.latest = event["response"]
-            if event["sequence_number"] > last:
-                events.append(event)
             if event["type"] in TERMINAL_EVENTS:
                 final = event["response"]
+                # the final event is always kept: a re-run shorter than its first attempt still ends
+                event["sequence_number"] = max(event["sequence_number"], last + 1)
+            if event["sequence_number"] > last:
+                events.append(event)
         await self.drainer.background.append(self.job.job_id, events)
         return final
 

@@ -25,11 +25,11 @@ is not so configured. Any Redis failure is QueueUnavailableError (a 503 in the p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,16 +61,27 @@ local id = redis.call('XADD', KEYS[2], '*', unpack(fields))
 return {1, id, 0}
 """
 
-# KEYS: result, stream, tenant hash, cancel flag. ARGV: result, ttl, group, entry id, tokens.
+# KEYS: result, stream, tenant hash, cancel flag, then optionally an owner's record and events stream.
+# ARGV: result, ttl, group, entry id, tokens, then (with the optional keys) the record and the end mark.
+# The result is written once (SET NX); the tenant's counts go down only when this call retires the entry
+# (XACK answers 1), so a second finisher, or one after the result was deleted or expired, counts nothing
+# twice; the owner's record and end mark go with the first result, in the same script.
 _FINISH = """
 local first = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', tonumber(ARGV[2]))
-if first then
+local acked = redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+redis.call('XDEL', KEYS[2], ARGV[4])
+if acked == 1 then
   redis.call('HINCRBY', KEYS[3], 'jobs', -1)
   redis.call('HINCRBY', KEYS[3], 'tokens', 0 - tonumber(ARGV[5]))  -- never -0, which HINCRBY refuses
   redis.call('DEL', KEYS[4])
 end
-redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
-redis.call('XDEL', KEYS[2], ARGV[4])
+if first and #KEYS >= 6 then
+  if redis.call('EXISTS', KEYS[5]) == 1 then  -- not deleted meanwhile
+    redis.call('SET', KEYS[5], ARGV[6], 'EX', tonumber(ARGV[2]))
+    redis.call('XADD', KEYS[6], '*', 'end', ARGV[7])
+    redis.call('EXPIRE', KEYS[6], tonumber(ARGV[2]))
+  end
+end
 if first then return 1 end
 return 0
 """
@@ -228,20 +239,22 @@ class JobQueue:
 
     async def take(self, consumer: str, block_ms: int = 0) -> Job | None:
         """The next job for `consumer`: one whose drainer died first (by class), then a queued one (by
-        class). Waits up to `block_ms` for one to arrive (0: not at all)."""
-        async with self.calling("take a job"):
-            await self._make_groups()
-            for klass in CLASSES:
-                claimed = await self._claim_stale(klass, consumer)
-                if claimed is not None:
-                    return claimed
-            for klass in CLASSES:
-                job = await self._read(consumer, [klass], block_ms=None)
-                if job is not None:
-                    return job
-            if block_ms <= 0:
-                return None
-            return await self._read(consumer, list(CLASSES), block_ms=block_ms)
+        class). Looks again after `block_ms` when there was none (0: not at all). One stream at a time: a
+        read across streams would hand this consumer one entry of each."""
+        for attempt in range(2 if block_ms > 0 else 1):
+            if attempt:
+                await asyncio.sleep(block_ms / 1000)
+            async with self.calling("take a job"):
+                await self._make_groups()
+                for klass in CLASSES:
+                    claimed = await self._claim_stale(klass, consumer)
+                    if claimed is not None:
+                        return claimed
+                for klass in CLASSES:
+                    job = await self._read(consumer, klass)
+                    if job is not None:
+                        return job
+        return None
 
     async def renew(self, job: Job, consumer: str) -> None:
         """Keep `job` claimed by `consumer` (resets its idle time); call well within claim_after."""
@@ -250,18 +263,20 @@ class JobQueue:
                 self.stream(job.priority), GROUP, consumer, 0, [job.entry_id], justid=True
             )
 
-    async def finish(self, job: Job, result: str) -> bool:
-        """Write `job`'s result (once: False when another finisher wrote it first) and retire the job."""
+    async def finish(self, job: Job, result: str, owner: tuple[str, str, str, str] | None = None) -> bool:
+        """Write `job`'s result (once: False when another finisher wrote it first) and retire the job.
+        `owner`: (record key, events key, record, end status) written with the first result, atomically
+        (a background response's final object and the end of its events)."""
         keys = [
-            self.result_key(job.job_id),
-            self.stream(job.priority),
-            self.tenant_key(job.tenant),
+            self.result_key(job.job_id), self.stream(job.priority), self.tenant_key(job.tenant),
             self.cancel_key(job.job_id),
-        ]
+        ]  # fmt: skip
+        args: list[Any] = [result, self.result_ttl_s, GROUP, job.entry_id, job.num_tokens]
+        if owner is not None:
+            keys += [owner[0], owner[1]]
+            args += [owner[2], owner[3]]
         async with self.calling("finish a job"):
-            first = await self._finish(
-                keys=keys, args=[result, self.result_ttl_s, GROUP, job.entry_id, job.num_tokens]
-            )
+            first = await self._finish(keys=keys, args=args)
         return bool(first)
 
     async def release(self, job: Job) -> None:
@@ -326,23 +341,25 @@ class JobQueue:
         self._groups_made = True
 
     async def _claim_stale(self, klass: int, consumer: str) -> Job | None:
-        stream = self.stream(klass)
-        _, entries, _ = await self.client.xautoclaim(
-            stream, GROUP, consumer, self.claim_after_ms, "0-0", count=1
-        )
-        for entry_id, fields in entries:
-            if not fields:  # deleted while pending
-                await self.client.xack(stream, GROUP, entry_id)
-                continue
-            detail = await self.client.xpending_range(stream, GROUP, entry_id, entry_id, 1)
-            deliveries = int(detail[0]["times_delivered"]) if detail else 1
-            logger.warning("took over job %s (delivery %d)", json.loads(fields["job"])["job_id"], deliveries)
-            return Job.from_fields(entry_id, fields, deliveries, self.max_attempts)
-        return None
+        stream, start = self.stream(klass), "0-0"
+        while True:  # XAUTOCLAIM looks at ten pending entries per call: follow its cursor to the end
+            start, entries, _ = await self.client.xautoclaim(
+                stream, GROUP, consumer, self.claim_after_ms, start, count=1
+            )
+            for entry_id, fields in entries:
+                if not fields:  # deleted while pending
+                    await self.client.xack(stream, GROUP, entry_id)
+                    continue
+                detail = await self.client.xpending_range(stream, GROUP, entry_id, entry_id, 1)
+                deliveries = int(detail[0]["times_delivered"]) if detail else 1
+                job_id = json.loads(fields["job"])["job_id"]
+                logger.warning("took over job %s (delivery %d)", job_id, deliveries)
+                return Job.from_fields(entry_id, fields, deliveries, self.max_attempts)
+            if str(start) in ("0-0", "0"):
+                return None
 
-    async def _read(self, consumer: str, classes: Sequence[int], *, block_ms: int | None) -> Job | None:
-        streams = {self.stream(k): ">" for k in classes}
-        answer = await self.client.xreadgroup(GROUP, consumer, streams, count=1, block=block_ms)
+    async def _read(self, consumer: str, klass: int) -> Job | None:
+        answer = await self.client.xreadgroup(GROUP, consumer, {self.stream(klass): ">"}, count=1)
         for _, entries in answer or ():
             for entry_id, fields in entries:
                 return Job.from_fields(entry_id, fields, 1, self.max_attempts)

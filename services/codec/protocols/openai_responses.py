@@ -62,6 +62,7 @@ from services.codec.errors import (
 )
 from services.codec.generation import GenerationStream, SampleFinished, Usage
 from services.codec.lane.background import JOB_RUN, BackgroundResponses
+from services.codec.lane.queue import QueueUnavailableError
 from services.codec.protocols.cache_retention import check_retention, retention_breakpoints
 from services.codec.protocols.common import admit_and_start, open_route, stream_response
 from services.codec.protocols.compaction_keys import CompactionKeys, CompactionRejectedError
@@ -98,9 +99,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await response_store(app).aclose()
-        if app.state.background is not None:
-            await app.state.background.queue.aclose()
+        await response_store(app).aclose()  # the queue's client: app.py closes it, after the drainer
 
 
 router = APIRouter(lifespan=_lifespan)
@@ -213,16 +212,24 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
-    """A stored response (a background one once it ended is stored too), else a background one as it
-    stands; `stream=true` replays a background response's events."""
+    """A background response as it stands (its job's result once final, the one answer whichever drainer
+    ran it), else a stored one; `stream=true` replays a background response's events. With the queue's
+    Redis down a stored response still reads; only one that is not stored is a 503 then."""
     streamed = request.query_params.get("stream", "").lower() == "true"
-    record = None if streamed else await response_store(request.app).get(tenant_of(request), response_id)
-    if record is None:
+    try:
         background = await retrieve_background(request, tenant_of(request), response_id)
-        if background is not None:
-            return background
+    except QueueUnavailableError:
+        if (
+            streamed
+            or (record := await response_store(request.app).get(tenant_of(request), response_id)) is None
+        ):
+            raise
+        return JSONResponse(record.body)
+    if background is not None:
+        return background
     if streamed:
         raise UnsupportedParameterError("only a background response can be streamed again", "stream")
+    record = await response_store(request.app).get(tenant_of(request), response_id)
     if record is None:
         return not_found(f"Response with id {response_id!r} not found.", None, "not_found")
     return JSONResponse(record.body)

@@ -100,8 +100,10 @@ def draft_for(body: ResponsesRequest, model: str, *, thinks: bool, stats: Reques
     draft = ResponseDraft.new(body, model, thinks=thinks, service_tier=served_tier(stats))
     if run is None:
         return draft
+    # The message's ID follows from the response's: a re-run after a takeover names the same item.
+    message_id = "msg_" + run.response_id.removeprefix("resp_")
     return ResponseDraft(
-        run.response_id, draft.message_id, run.created_at, model, body, draft.reasoning, draft.service_tier
+        run.response_id, message_id, run.created_at, model, body, draft.reasoning, draft.service_tier
     )
 
 

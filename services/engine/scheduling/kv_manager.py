@@ -52,6 +52,22 @@ class KVCacheManager:
         ]
         return self.pool.lookup(hashes, token_blocks)
 
+    def shortfall(self, request: Request, cached_block_ids: list[int], num_new_tokens: int) -> int:
+        """How many blocks `admit` would lack for these arguments now (0: it would succeed)."""
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        num_needed = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached_block_ids)
+        num_needed += cdiv(len(request.encoder_token_ids), self.block_size)
+        num_reclaimable = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_cnt == 0)
+        return max(0, num_needed - (self.pool.num_available - num_reclaimable))
+
+    def freeable(self, requests: list[Request]) -> int:
+        """Blocks that releasing `requests` would give back to the pool: those no other request holds."""
+        held = [b for r in requests for b in (*r.block_ids, *r.cross_block_ids) if b != NO_BLOCK]
+        counts: dict[int, int] = {}
+        for b in held:
+            counts[b] = counts.get(b, 0) + 1
+        return sum(1 for b, n in counts.items() if self.pool.blocks[b].ref_cnt == n)
+
     def admit(self, request: Request, cached_block_ids: list[int], num_new_tokens: int) -> bool:
         """Give a waiting request its cached prefix plus room for `num_new_tokens`; False if full."""
         num_cached_tokens = len(cached_block_ids) * self.block_size

@@ -220,11 +220,15 @@ class Scheduler:
         return True
 
     def _victim(self, eligible: Callable[[Request], bool]) -> Request | None:
-        """The running request to preempt among the `eligible`: the lowest class, the newest. Never a
-        sequence a pending token ends: it frees its blocks once read back, and a prefill replica's still
-        has its prompt KV to export from them."""
-        victims = [r for r in self.running if eligible(r) and not r.ends_when_resolved]
+        """The running request to preempt among the `eligible`: the lowest class, the newest."""
+        victims = self._victims(eligible)
         return max(victims, key=lambda r: r.sort_key) if victims else None
+
+    def _victims(self, eligible: Callable[[Request], bool]) -> list[Request]:
+        """The running requests that may be preempted among the `eligible`. Never a sequence a pending
+        token ends: it frees its blocks once read back, and a prefill replica's still has its prompt KV to
+        export from them."""
+        return [r for r in self.running if eligible(r) and not r.ends_when_resolved]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -256,11 +260,13 @@ class Scheduler:
             num_below = below.num_tokens if below is not None else 0
             num_new = min(request.num_tokens - num_cached_tokens - num_below, budget)
             while not self.kv.admit(request, cached, num_below + num_new):
-                # A lower class's running request gives up its blocks (it is not scheduled yet: the classes
-                # are served in order); when there is none, admission is bounded by KV memory; keep FCFS.
-                victim = self._victim(lambda r: r.priority > priority and r.seq_id not in scheduled)
-                if victim is None:
+                # Lower classes' running requests give up their blocks (they are not scheduled yet: the
+                # classes are served in order), newest first, but only when all of them together would
+                # make room; otherwise admission is bounded by KV memory; keep FCFS.
+                victims = self._victims(lambda r: r.priority > priority and r.seq_id not in scheduled)
+                if self.kv.shortfall(request, cached, num_below + num_new) > self.kv.freeable(victims):
                     return budget, False
+                victim = max(victims, key=lambda r: r.sort_key)
                 self._preempt(victim)
                 out.preempted_ids.append(victim.seq_id)
             if below is not None:
