@@ -199,3 +199,19 @@ def test_the_queue_redis_killed_mid_run_and_restarted_loses_no_job(lane: Lane) -
     wait_for(lambda: set(statuses(client, ids)) <= ENDED, "a job was lost with the Redis", 240)
     assert set(statuses(client, ids)) <= FINISHED
     assert all(ended_once(client, response_id) for response_id in ids)
+
+
+def test_a_drainer_stopped_with_sigterm_finishes_or_gives_back_its_jobs(lane: Lane) -> None:
+    """SIGTERM: it takes no more, its running jobs finish within the grace period or go back to the queue
+    at once (no wait for claim_after), and the next drainer ends every one, once."""
+    lane.start_codec("accepting", drain=False)
+    lane.start_codec("first-drainer", drain=True)
+    client = lane.client("accepting")
+    ids = create(client, 6)
+    wait_for(lambda: "in_progress" in statuses(client, ids), "the first drainer never started one")
+    proc, _ = lane.codecs.pop("first-drainer")
+    assert proc.stop() in (0, -signal.SIGTERM)  # a graceful exit (uvicorn re-raises the signal it caught)
+    lane.start_codec("second-drainer", drain=True)
+    wait_for(lambda: set(statuses(client, ids)) <= ENDED, "not every job ended", 240)
+    assert set(statuses(client, ids)) <= FINISHED
+    assert all(ended_once(client, response_id) for response_id in ids)
