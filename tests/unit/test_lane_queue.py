@@ -13,7 +13,7 @@ import pytest
 
 from services.codec.lane.queue import Job, JobQueue, QueueFullError, QueueUnavailableError, new_job_id
 from services.common import priority
-from services.common.cache_redis import start_queue_redis, stop_cache_redis
+from services.common.cache_redis import start_cache_redis, start_queue_redis, stop_cache_redis
 from tests.ports import free_port
 
 FINGERPRINT = "fp-queue-test"
@@ -46,6 +46,18 @@ def job(tenant: str = "acme", klass: int = priority.NORMAL, tokens: int = 10, **
 
 async def test_the_server_is_of_the_queue_role(queue: JobQueue) -> None:
     assert await queue.check_server() == []
+
+
+async def test_a_redis_of_the_cache_role_is_named_unfit(tmp_path: Path) -> None:
+    port = free_port()
+    proc = start_cache_redis(port, maxmemory_mb=64)  # allkeys-lru, no persistence: fine for KV, not jobs
+    queue = make_queue(port)
+    try:
+        problems = await queue.check_server()
+        assert len(problems) == 2 and "noeviction" in problems[0] and "appendonly" in problems[1]
+    finally:
+        await queue.aclose()
+        stop_cache_redis(proc)
 
 
 async def test_higher_classes_are_taken_first_then_by_arrival(queue: JobQueue) -> None:

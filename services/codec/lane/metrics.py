@@ -63,7 +63,11 @@ class LaneMetrics:
             self.oldest_age.labels(name).set(s.oldest_age_s)
 
     async def refresh_forever(self, queue: JobQueue, every_s: float = REFRESH_S) -> None:
-        """Read the queue's state every `every_s` until cancelled."""
+        """Read the queue's state every `every_s` until cancelled; first, warn once about what makes its
+        Redis unfit for the queue role (eviction on, no append-only file)."""
+        with contextlib.suppress(QueueUnavailableError):
+            for problem in await queue.check_server():
+                logger.warning("the queue's Redis is not configured for the queue role: %s", problem)
         while True:
             try:
                 self.show(await queue.stats())
