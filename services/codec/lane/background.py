@@ -17,6 +17,7 @@ absent (a 404).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ class JobRun:
 # Set by the drainer around its in-process request (its task's context only): the Responses route runs
 # that request instead of queueing it again, under the queued response's ID.
 JOB_RUN: ContextVar[JobRun | None] = ContextVar("kvrelay_job_run", default=None)
+
+
+def cancelled(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` (a response object) ended as cancelled: now, unless it says when already."""
+    return {**body, "status": "cancelled", "completed_at": body.get("completed_at") or int(time.time())}
 
 
 @dataclass(frozen=True)
@@ -107,12 +113,12 @@ class BackgroundResponses:
         """The response as it stands: its job's result once written, else its record. None when it is
         unknown, deleted or another tenant's."""
         async with self.queue.calling("read a background response"):
-            kept = await self.client.get(self.record_key(response_id))
+            kept, result = await self.client.mget(
+                self.record_key(response_id), self.queue.result_key(response_id)
+            )
         if kept is None:
             return None
-        result = await self.queue.result(response_id)
-        text = result if result is not None else kept
-        record = BackgroundRecord.from_json(text)
+        record = BackgroundRecord.from_json(result if result is not None else kept)
         return record if record.tenant == tenant else None
 
     async def put(self, record: BackgroundRecord) -> None:

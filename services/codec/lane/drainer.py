@@ -36,7 +36,14 @@ from starlette.types import ASGIApp, Message
 from services.codec.admission.auth import Authenticator
 from services.codec.admission.tenancy import JOB_TENANT
 from services.codec.backend.protocol import ServiceStatus
-from services.codec.lane.background import JOB_RUN, KIND, BackgroundRecord, BackgroundResponses, JobRun
+from services.codec.lane.background import (
+    JOB_RUN,
+    KIND,
+    BackgroundRecord,
+    BackgroundResponses,
+    JobRun,
+    cancelled,
+)
 from services.codec.lane.queue import Job, QueueUnavailableError
 from services.common import priority
 from services.common.config import QueueConfig
@@ -136,9 +143,9 @@ class Drainer:
             logger.error("job %s left to be retried: %s", job.job_id, exc)
         except Exception as exc:  # a bug here must not leave the job pending forever: it fails
             logger.error("job %s failed in the drainer", job.job_id, exc_info=exc)
-            failed = _failed({"id": job.job_id}, f"the drainer failed: {type(exc).__name__}")
             record = await self.background.get(job.tenant, job.job_id)
-            final = _failed(record.body, failed["error"]["message"]) if record is not None else failed
+            body = record.body if record is not None else {"id": job.job_id}
+            final = _failed(body, f"the drainer failed: {type(exc).__name__}")
             await self.background.finish(job, final)
             self.drained.labels("failed").inc()
         finally:
@@ -158,7 +165,7 @@ class Drainer:
         if record is None or job.kind != KIND:
             return _failed({"id": job.job_id}, "the queued response is gone (expired or deleted)")
         if await self.queue.is_cancelled(job.job_id):
-            return {**record.body, "status": "cancelled"}
+            return cancelled(record.body)
         if job.exhausted:
             return _failed(record.body, f"the job was started {job.deliveries - 1} times and never finished")
         tenant = self.authenticator.tenant_of_key(job.key_id)
@@ -178,7 +185,7 @@ class Drainer:
             self.drained.labels("retried").inc()
             await asyncio.sleep(1.0)  # refused for a quota or overload: the slot or budget comes back
             if await self.queue.is_cancelled(job.job_id):
-                return {**record.body, "status": "cancelled", "completed_at": int(time.time())}
+                return cancelled(record.body)
 
 
 def _failed(body: dict[str, Any], message: str, code: str = "server_error") -> dict[str, Any]:
@@ -256,7 +263,7 @@ class _Run:
             if time.monotonic() - checked >= CANCEL_CHECK_S:
                 checked = time.monotonic()
                 if await self.drainer.queue.is_cancelled(self.job.job_id):
-                    return {**self.latest, "status": "cancelled", "completed_at": int(time.time())}
+                    return cancelled(self.latest)
             if message is None:
                 continue
             buffer += message.get("body", b"").decode()

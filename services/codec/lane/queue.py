@@ -26,10 +26,12 @@ is not so configured. Any Redis failure is QueueUnavailableError (a 503 in the p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -365,22 +367,10 @@ class JobQueue:
                 return Job.from_fields(entry_id, fields, 1, self.max_attempts)
         return None
 
-    def calling(self, what: str) -> _RedisCall:
+    @contextlib.asynccontextmanager
+    async def calling(self, what: str) -> AsyncIterator[None]:
         """Around calls to the queue's Redis: a failure is QueueUnavailableError, saying `what` failed."""
-        return _RedisCall(what)
-
-
-class _RedisCall:
-    """Turns a Redis failure inside it into QueueUnavailableError."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None and isinstance(exc, (RedisError, OSError)):
-            raise QueueUnavailableError(
-                f"the queue's Redis failed to {self.what}: {type(exc).__name__}"
-            ) from exc
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailableError(f"the queue's Redis failed to {what}: {type(exc).__name__}") from exc

@@ -23,7 +23,6 @@ down: a 503; interactive requests do not touch it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.codec.admission.tenancy import tenant_of
 from services.codec.errors import UnsupportedParameterError, describe
-from services.codec.lane.background import JOB_RUN, KIND, BackgroundRecord, BackgroundResponses
+from services.codec.lane.background import JOB_RUN, KIND, BackgroundRecord, BackgroundResponses, cancelled
 from services.codec.lane.queue import Job
 from services.codec.metrics import RequestStats
 from services.codec.protocols.openai_responses_events import ResponseDraft
@@ -132,9 +131,9 @@ async def cancel_background(request: Request, tenant: str, response_id: str) -> 
     if record.is_over:
         return JSONResponse(record.body)
     await background.queue.cancel(response_id)
-    cancelled = {**record.body, "status": "cancelled", "completed_at": int(time.time())}
-    await background.put(BackgroundRecord(tenant, cancelled))
-    return JSONResponse(cancelled)
+    ended = cancelled(record.body)
+    await background.put(BackgroundRecord(tenant, ended))
+    return JSONResponse(ended)
 
 
 async def delete_background(request: Request, tenant: str, response_id: str) -> bool:
