@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -84,6 +85,16 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         time.sleep(0.05)
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    """Polls `condition()` until it gives a true value, and gives it; AssertionError naming `what` after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+    return value
 
 
 def wait_idle(

@@ -13,13 +13,17 @@ from services.codec.admission.auth import Authenticator, AuthMiddleware
 from services.codec.backend.protocol import Backend
 from services.codec.errors import install_error_handlers
 from services.codec.lane.background import background_from_config
+from services.codec.lane.batches import batches_from_config
 from services.codec.lane.drainer import Drainer
-from services.codec.lane.metrics import refreshing
+from services.codec.lane.metrics import BatchMetrics, refreshing
 from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from services.codec.protocols import (
+    anthropic_batches,
     anthropic_messages,
+    openai_batches,
     openai_chat,
     openai_completions,
+    openai_files,
     openai_responses_compact,
 )
 from services.codec.protocols.openai_responses import install_responses
@@ -29,6 +33,8 @@ from services.codec.state import CodecIdentity, CodecState
 from services.codec.text.tokenizer import Tokenizer
 from services.common.config import KvrelayConfig
 from services.common.errors import ConfigError
+
+UPLOAD_OVERHEAD_BYTES = 64 * 1024  # a multipart upload's framing and fields beside the file
 
 
 def create_app(
@@ -55,16 +61,27 @@ def create_app(
     background = background_from_config(config.queue, identity, state.metrics.registry)
     if drain and background is None:
         raise ConfigError("a drainer needs the async lane's queue: set queue.url (docs/async.md)")
+    batches = batches_from_config(
+        config.batches, background.queue if background else None, BatchMetrics(state.metrics.registry)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         drainer = (
-            Drainer(app, background, authenticator, config.queue, backend.statuses)
+            Drainer(app, background, authenticator, config.queue, backend.statuses, batches)
             if drain and background
             else None
         )
         draining = asyncio.create_task(drainer.run()) if drainer is not None else None
         app.state.drainer = drainer
+        upkeep = []
+        if batches is not None:
+            await batches.store.open()
+            upkeep.append(
+                asyncio.create_task(batches.refresh_forever(config.queue.metrics_refresh_ms / 1000))
+            )
+            if drainer is not None:
+                upkeep.append(asyncio.create_task(batches.sweep_forever()))
         try:
             alongside: AbstractAsyncContextManager[object] = (
                 serve_alongside(state) if serve_alongside else nullcontext()
@@ -80,6 +97,11 @@ def create_app(
                     await drainer.stop(grace_s)
                     await draining
         finally:
+            for task in upkeep:
+                task.cancel()
+            await asyncio.gather(*upkeep, return_exceptions=True)
+            if batches is not None:
+                await batches.store.aclose()
             if background is not None:
                 await background.queue.aclose()
             await state.aclose()
@@ -101,7 +123,15 @@ def create_app(
     app.include_router(anthropic_messages.router)
     install_responses(app, config.responses, background=background)
     app.include_router(openai_responses_compact.router)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
+    app.state.batches = batches
+    for module in (openai_files, openai_batches, anthropic_batches):
+        app.include_router(module.router)
+    upload_bytes = config.batches.max_file_bytes + UPLOAD_OVERHEAD_BYTES  # a file, or a batch's requests
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=config.limits.max_body_bytes,
+        larger={"/v1/files": upload_bytes, "/v1/messages/batches": upload_bytes} if batches else {},
+    )
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
     # Outermost: each WebSocket turn comes back in through the whole HTTP stack above.

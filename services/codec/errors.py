@@ -17,10 +17,12 @@ The codec adds these leaves to the common tree (services/common/errors.py); each
     ├── AuthenticationError                   401 invalid_request_error, code invalid_api_key (a wrong
     │                                             key) or null (none sent), as OpenAI answers;
     │                                             Anthropic's shape: authentication_error
+    ├── ObjectNotFoundError                   404 code not_found (a file or batch of no tenant's own)
     ├── ClientClosedError                     499, logged only: the client left before the response
     │   └── ClientStoppedReadingError         499, logged only: a streamed write waited too long
     ├── BackendRejectedError                  400 (the stack refused what the codec let through)
     ├── BackendUnavailableError               503 server_error + Retry-After
+    │   └── StoreUnavailableError             503: stored responses, the queue or the batch store
     └── BackendFailedError                    500 before the stream; an in-band error event after
     any other exception                       500 server_error, logged with the request ID, never leaked
 
@@ -172,6 +174,29 @@ class WireError:
         if request_id is not None:
             body["request_id"] = request_id
         return body
+
+
+class StoreUnavailableError(BackendUnavailableError):
+    """A store the codec keeps state in did not answer (stored responses, the queue, the batch store):
+    503 with Retry-After, naming what cannot be served now (`what`)."""
+
+    what = "stored state is"
+
+    def wire_error(self) -> WireError:
+        message = f"{self.what} unavailable now (the store does not answer); retry later"
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return WireError(503, message, SERVER_ERROR, code="service_unavailable", headers=headers)
+
+
+class ObjectNotFoundError(KvrelayError):
+    """A file, batch or stored object this tenant does not have (another tenant's reads the same): 404."""
+
+    def __init__(self, what: str, object_id: str, param: str | None = None) -> None:
+        super().__init__(f"No {what} with id {object_id!r} found.")
+        self.param = param
+
+    def wire_error(self) -> WireError:
+        return WireError(404, str(self), INVALID_REQUEST, self.param, "not_found")
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -86,15 +87,19 @@ class RequestContextMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    """Refuses a request body over `max_body_bytes` (413), or over `larger[path]` on the paths listed
+    there (uploads: the Files API, Anthropic's batches)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, larger: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.larger = dict(larger or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_bytes
+        limit = self.larger.get(str(scope.get("path", "")), self.max_body_bytes)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await error_response(describe(BodyTooLargeError(limit)))(scope, receive, send)

@@ -33,8 +33,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.codec.backend.protocol import BackendUnavailableError
-from services.codec.errors import RETRY_AFTER_S, SERVER_ERROR, WireError
+from services.codec.errors import StoreUnavailableError
 from services.common.config import ResponsesConfig
 
 REDIS_URL_ENV = "KVRELAY_RESPONSES_REDIS_URL"  # before responses.redis_url existed; still read
@@ -46,14 +45,11 @@ DEFAULT_SOCKET_TIMEOUT_S = 1.0
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 
 
-class ResponseStoreUnavailableError(BackendUnavailableError):
+class ResponseStoreUnavailableError(StoreUnavailableError):
     """The store (Redis) did not answer: a 503 where a stored record is needed; logged and counted
     where one was only to be kept."""
 
-    def wire_error(self) -> WireError:
-        message = "stored responses are unavailable now (their store does not answer); retry later"
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
-        return WireError(503, message, SERVER_ERROR, code="service_unavailable", headers=headers)
+    what = "stored responses are"
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,24 @@ class QueueConfig(_Section):
     metrics_refresh_ms: int = Field(default=5000, gt=0)  # how often a codec reads the queue's gauges
 
 
+class BatchesConfig(_Section):
+    """The Files and Batches APIs (docs/batches.md): files, batches and their lines in PostgreSQL
+    (`store_url`), each line a job of the low class on the async lane's queue. Both `store_url` and
+    `queue.url` are needed; without them the routes answer that batches are not configured."""
+
+    store_url: str | None = Field(default=None, min_length=1)  # postgresql://user@host/db (secret: env)
+    table_prefix: str = Field(default="kvrelay_", pattern=r"^[a-z_][a-z0-9_]{0,30}$")
+    timeout_ms: int = Field(default=5000, gt=0)  # a silent PostgreSQL costs a request at most this
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)  # an upload's size (OpenAI's batch cap)
+    max_files: int = Field(default=1000, gt=0)  # files a tenant may hold, outputs included
+    file_ttl_s: int = Field(default=30 * 24 * 3600, gt=0)  # files expire this long after creation
+    max_lines: int = Field(default=50_000, gt=0)  # requests in one batch
+    # The window a batch must finish in. The APIs accept only 24 hours; a shorter one here (tests)
+    # makes every batch expire sooner.
+    completion_window_s: int = Field(default=24 * 3600, gt=0)
+    sweep_ms: int = Field(default=5000, gt=0)  # how often a drainer ends expired batches
+
+
 class ResultCacheConfig(_Section):
     """The exact-result cache (docs/result-cache.md): a repeated greedy or seeded request, asked with
     `x-kvrelay-result-cache: use` by a tenant listed here, answered from a stored result. Off without a
@@ -375,6 +393,7 @@ class KvrelayConfig(_Section):
     responses: ResponsesConfig = ResponsesConfig()
     result_cache: ResultCacheConfig = ResultCacheConfig()
     queue: QueueConfig = QueueConfig()
+    batches: BatchesConfig = BatchesConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")

@@ -12,7 +12,6 @@ openai SDK (strict, no retries):
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from services.common.cache_redis import start_queue_redis, stop_cache_redis
 from tests.e2e.conftest import TOKEN, RunningStack, wait_http_ready
 from tests.stack_helpers import Proc, free_port, stack_env
+from tests.stack_helpers import wait_for as wait_within
 
 pytestmark = pytest.mark.model
 
@@ -94,14 +94,6 @@ def lane(stack: RunningStack, model_dir: Path, tmp_path: Path) -> Iterator[Lane]
             proc.stop()
         if made.redis is not None:
             stop_cache_redis(made.redis)
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-    return value
 
 
 def create(client: openai.OpenAI, n: int) -> list[str]:
@@ -215,3 +207,7 @@ def test_a_drainer_stopped_with_sigterm_finishes_or_gives_back_its_jobs(lane: La
     wait_for(lambda: set(statuses(client, ids)) <= ENDED, "not every job ended", 240)
     assert set(statuses(client, ids)) <= FINISHED
     assert all(ended_once(client, response_id) for response_id in ids)
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
+    return wait_within(condition, what, timeout_s)

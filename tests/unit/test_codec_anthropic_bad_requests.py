@@ -249,7 +249,7 @@ async def test_prompt_over_the_limits_is_400(client: httpx.AsyncClient, fake: Fa
 
 
 async def test_unknown_route_and_wrong_method_use_anthropic_shape(client: httpx.AsyncClient) -> None:
-    response = await client.post("/v1/messages/batches", json={})
+    response = await client.post("/v1/messages/no_such_route", json={})
     assert_anthropic_error(response, 404, "not_found_error")
     response = await client.get("/v1/messages")
     assert_anthropic_error(response, 405, "invalid_request_error")

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -27,6 +25,7 @@ from services.common.cache_redis import start_queue_redis, stop_cache_redis
 from services.common.config import AuthConfig, KvrelayConfig, QueueConfig, QuotasConfig, TenantQuota
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, scripted, serve_in_thread
 from tests.ports import free_port
+from tests.stack_helpers import wait_for
 
 pytestmark = pytest.mark.model
 
@@ -95,14 +94,6 @@ def pause_drainer(lane: Lane) -> None:
     lane.fake.statuses_value = list(BUSY)
     seen = lane.fake.status_reads
     wait_for(lambda: lane.fake.status_reads >= seen + 2, "the drainer never looked at the pools again")
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return value
 
 
 def test_a_background_response_is_queued_then_run_and_read_from_the_other_codec(lane: Lane) -> None:

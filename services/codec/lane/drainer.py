@@ -34,8 +34,8 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 from services.codec.admission.auth import Authenticator
-from services.codec.admission.tenancy import JOB_TENANT
 from services.codec.backend.protocol import ServiceStatus
+from services.codec.lane import inprocess
 from services.codec.lane.background import (
     JOB_RUN,
     KIND,
@@ -44,18 +44,18 @@ from services.codec.lane.background import (
     JobRun,
     cancelled,
 )
+from services.codec.lane.batch_store import BatchStoreUnavailableError
+from services.codec.lane.batches import LINE_KIND, Batches
+from services.codec.lane.inprocess import REFUSED_FOR_S, RETRYABLE
 from services.codec.lane.queue import Job, QueueUnavailableError
-from services.common import priority
 from services.common.config import QueueConfig
 from services.common.tenants import Tenant
 
 logger = logging.getLogger("kvrelay.drainer")
 
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-RETRYABLE = frozenset({429, 503, 529})  # a quota, the fair queue or the backend: try again later
 WORKER_ROLES = frozenset({"colocated", "prefill", "decode"})
 CANCEL_CHECK_S = 0.2  # how often a running job looks at its cancel flag
-REFUSED_FOR_S = 300.0  # a job refused for a quota or overload this long, retried every second, fails
 
 
 class Drainer:
@@ -66,8 +66,10 @@ class Drainer:
         authenticator: Authenticator,
         config: QueueConfig,
         statuses: Callable[[], Awaitable[list[ServiceStatus]]],
+        batches: Batches | None = None,
     ) -> None:
         self.app = app
+        self.batches = batches
         self.background = background
         self.queue = background.queue
         self.authenticator = authenticator
@@ -131,26 +133,33 @@ class Drainer:
     async def _run(self, job: Job) -> None:
         renewing = asyncio.create_task(self._renew(job))
         try:
-            final = await self._outcome(job)
-            await self.background.finish(job, final)
-            self.drained.labels(str(final.get("status"))).inc()
+            if job.kind == LINE_KIND and self.batches is not None:
+                await self.batches.run_line(job, self.app, self.authenticator)
+            else:
+                await self._run_response(job)
         except asyncio.CancelledError:
             with contextlib.suppress(QueueUnavailableError):
                 await asyncio.shield(self.queue.release(job))  # shutting down: another drainer takes it
             self.drained.labels("released").inc()
             raise
-        except QueueUnavailableError as exc:  # left pending: taken over once the Redis is back
+        except (QueueUnavailableError, BatchStoreUnavailableError) as exc:  # taken over once it is back
             logger.error("job %s left to be retried: %s", job.job_id, exc)
+        finally:
+            renewing.cancel()
+            self.running.pop(job.job_id, None)
+
+    async def _run_response(self, job: Job) -> None:
+        try:
+            final = await self._outcome(job)
+        except (asyncio.CancelledError, QueueUnavailableError):
+            raise
         except Exception as exc:  # a bug here must not leave the job pending forever: it fails
             logger.error("job %s failed in the drainer", job.job_id, exc_info=exc)
             record = await self.background.get(job.tenant, job.job_id)
             body = record.body if record is not None else {"id": job.job_id}
             final = _failed(body, f"the drainer failed: {type(exc).__name__}")
-            await self.background.finish(job, final)
-            self.drained.labels("failed").inc()
-        finally:
-            renewing.cancel()
-            self.running.pop(job.job_id, None)
+        await self.background.finish(job, final)
+        self.drained.labels(str(final.get("status"))).inc()
 
     async def _renew(self, job: Job) -> None:
         every = max(self.queue.claim_after_ms / 3000, 0.05)
@@ -217,14 +226,16 @@ class _Run:
         last = await background.last_sequence(job.job_id)
         body = json.dumps({**job.payload, "stream": True}).encode()
         run_token = JOB_RUN.set(JobRun(job.job_id, int(job.enqueued_at)))
-        tenant_token = JOB_TENANT.set(self.tenant)
-        try:  # the app's task copies this context: the marks reach the route, nothing else
-            self.call = asyncio.ensure_future(
-                self.drainer.app(self._scope(), self._receive(body), self.messages.put)
+        try:  # the app's task copies this context: the mark reaches the route, nothing else
+            self.call = inprocess.start(
+                self.drainer.app,
+                inprocess.post_scope("/v1/responses", job.priority),
+                self._receive(body),
+                self.messages.put,
+                self.tenant,
             )
         finally:
             JOB_RUN.reset(run_token)
-            JOB_TENANT.reset(tenant_token)
         try:
             return await self._follow(last)
         finally:
@@ -302,18 +313,6 @@ class _Run:
                 events.append(event)
         await self.drainer.background.append(self.job.job_id, events)
         return final
-
-    def _scope(self) -> dict[str, Any]:
-        headers = [
-            (b"content-type", b"application/json"),
-            (priority.HEADER.encode(), priority.name_of(self.job.priority).encode()),
-        ]
-        return {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"",
-            "root_path": "", "headers": headers, "client": ("drainer", 0), "server": ("drainer", 0),
-            "state": {},
-        }  # fmt: skip
 
     def _receive(self, body: bytes) -> Callable[[], Awaitable[Message]]:
         sent = False

@@ -77,6 +77,51 @@ class LaneMetrics:
             await asyncio.sleep(every_s)
 
 
+class BatchMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches = Gauge(
+            "kvrelay_batches",
+            "Batches in the batch store by status (in_progress, cancelling, expiring, completed, cancelled, "
+            "expired). Read from the store: every codec reports the same.",
+            ["status"],
+            registry=registry,
+        )
+        self.oldest_age = Gauge(
+            "kvrelay_batch_oldest_unfinished_age_seconds",
+            "Age of the oldest batch not yet ended (0 when none).",
+            registry=registry,
+        )
+        self.up = Gauge(
+            "kvrelay_batch_store_up",
+            "1 when the batch store answered the last read, else 0.",
+            registry=registry,
+        )
+        self.created = Counter(
+            "kvrelay_batches_created_total", "Batches this codec created, by API.", ["api"], registry=registry
+        )
+        self.ended = Counter(
+            "kvrelay_batches_ended_total",
+            "Batches this codec ended, by API and final status.",
+            ["api", "status"],
+            registry=registry,
+        )
+        self.lines = Counter(
+            "kvrelay_batch_lines_total",
+            "Batch lines this codec's drainer ended, by outcome: succeeded, errored, cancelled, expired, "
+            "skipped (done already); retried counts refusals for a quota or overload. Lines per second: "
+            "rate().",
+            ["outcome"],
+            registry=registry,
+        )
+        self.seen: set[str] = set()
+
+    def show(self, by_status: dict[str, int], oldest_age_s: float) -> None:
+        for status in self.seen | set(by_status):
+            self.batches.labels(status).set(by_status.get(status, 0))
+        self.seen |= set(by_status)
+        self.oldest_age.set(oldest_age_s)
+
+
 @contextlib.asynccontextmanager
 async def refreshing(
     metrics: LaneMetrics, queue: JobQueue, every_s: float = REFRESH_S

@@ -38,8 +38,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from services.codec.backend.protocol import BackendUnavailableError
-from services.codec.errors import RETRY_AFTER_S, SERVER_ERROR, WireError
+from services.codec.errors import StoreUnavailableError, WireError
 from services.common import priority
 from services.common.errors import KvrelayError
 
@@ -89,13 +88,10 @@ return 0
 """
 
 
-class QueueUnavailableError(BackendUnavailableError):
+class QueueUnavailableError(StoreUnavailableError):
     """The queue's Redis did not answer: background work cannot be accepted or read now (503)."""
 
-    def wire_error(self) -> WireError:
-        message = "the background queue is unavailable now (its store does not answer); retry later"
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
-        return WireError(503, message, SERVER_ERROR, code="service_unavailable", headers=headers)
+    what = "the background queue is"
 
 
 class QueueFullError(KvrelayError):
@@ -222,6 +218,22 @@ class JobQueue:
             raise QueueFullError(str(what), int(held), int(cap or 0))
         return str(what)
 
+    async def enqueue_many(self, jobs: list[Job]) -> None:
+        """Add `jobs` (a batch's lines) in one round trip, counted for their tenant but never refused:
+        a batch is capped by its own limits (docs/batches.md)."""
+        if not jobs:
+            return
+        async with self.calling("enqueue a batch's lines"):
+            pipe = self.client.pipeline(transaction=False)
+            for job in jobs:
+                args: list[Any] = [0, 0, job.num_tokens]
+                for name, value in job.fields().items():
+                    args += [name, value]
+                await self._enqueue(  # queued on the pipeline (its script loaded at execute)
+                    keys=[self.tenant_key(job.tenant), self.stream(job.priority)], args=args, client=pipe
+                )
+            await pipe.execute()
+
     async def cancel(self, job_id: str) -> None:
         """Ask for `job_id` to stop: a queued job is finished as cancelled when taken, a running one by its
         drainer (`is_cancelled`)."""
@@ -265,15 +277,22 @@ class JobQueue:
                 self.stream(job.priority), GROUP, consumer, 0, [job.entry_id], justid=True
             )
 
-    async def finish(self, job: Job, result: str, owner: tuple[str, str, str, str] | None = None) -> bool:
-        """Write `job`'s result (once: False when another finisher wrote it first) and retire the job.
-        `owner`: (record key, events key, record, end status) written with the first result, atomically
-        (a background response's final object and the end of its events)."""
+    async def finish(
+        self,
+        job: Job,
+        result: str,
+        owner: tuple[str, str, str, str] | None = None,
+        keep_s: int | None = None,
+    ) -> bool:
+        """Write `job`'s result (once: False when another finisher wrote it first; kept `keep_s`, by
+        default `result_ttl_s`) and retire the job. `owner`: (record key, events key, record, end status)
+        written with the first result, atomically (a background response's final object and the end of
+        its events)."""
         keys = [
             self.result_key(job.job_id), self.stream(job.priority), self.tenant_key(job.tenant),
             self.cancel_key(job.job_id),
         ]  # fmt: skip
-        args: list[Any] = [result, self.result_ttl_s, GROUP, job.entry_id, job.num_tokens]
+        args: list[Any] = [result, keep_s or self.result_ttl_s, GROUP, job.entry_id, job.num_tokens]
         if owner is not None:
             keys += [owner[0], owner[1]]
             args += [owner[2], owner[3]]
