@@ -12,6 +12,8 @@ PORT ?= 8000
 # The async lane's queue for `make serve` (docs/async.md): `kvrelay up` starts a queue-role redis-server here
 # when nothing answers, keeping its append-only file under ~/.local/state/kvrelay.
 QUEUE_URL ?= redis://127.0.0.1:6390/0
+# The batch store `make serve` uses when this machine runs PostgreSQL on 5432 (tables kvrelay_*).
+BATCH_STORE_URL ?= postgresql://postgres@127.0.0.1:5432/postgres
 # make serve's shape: auto is colocated (one worker on every core) below 4 cores, disaggregated (1 prefill +
 # 1 decode worker, the cores split between them) from 4 up; colocated or disaggregated names one outright
 MODE ?= auto
@@ -48,9 +50,16 @@ $(GEMMA_STAMP): $(STAMP)
 
 serve: setup
 	@if command -v redis-server > /dev/null; then \
-		KVRELAY_QUEUE__URL="$${KVRELAY_QUEUE__URL:-$(QUEUE_URL)}" $(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE); \
+		export KVRELAY_QUEUE__URL="$${KVRELAY_QUEUE__URL:-$(QUEUE_URL)}"; \
+		if [ -z "$${KVRELAY_BATCHES__STORE_URL}" ] && command -v pg_isready > /dev/null \
+			&& pg_isready -q -h 127.0.0.1 -p 5432; then \
+			export KVRELAY_BATCHES__STORE_URL="$(BATCH_STORE_URL)"; \
+		else \
+			echo "no PostgreSQL answers on 127.0.0.1:5432: serving without the Files and Batches APIs (docs/batches.md)"; \
+		fi; \
+		$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE); \
 	else \
-		echo "redis-server is not on PATH: serving without the async lane (background responses off; docs/async.md)"; \
+		echo "redis-server is not on PATH: serving without the async lane (background responses and batches off; docs/async.md)"; \
 		$(KVRELAY) up --model $(MODEL_DIR) --port $(PORT) --mode $(MODE); \
 	fi
 

@@ -8,7 +8,9 @@ Poisson process at `--load-fraction` of the saturation rate:
 
 - alone: nothing else;
 - background: a feeder keeps `--backlog` background responses (`service_tier: "flex"`, the low class)
-  outstanding, each replaced by a new one as it ends.
+  outstanding, each replaced by a new one as it ends; or, with `--batch-lines N`, one OpenAI batch of N
+  chat lines (each line a low-class job, docs/batches.md) created as the phase starts and left to finish
+  after the interactive load stops (its store: `--batch-store-url`, a PostgreSQL).
 
 Between phases the background work left is cancelled and the stack settles (no running request, no
 queued job). Reported per round and side: the interactive TTFT p50 and p99; the within-round ratio of the
@@ -41,6 +43,7 @@ from services.common.local_stack import free_ports
 from services.common.status_client import fetch_status
 
 SIDES = ("alone", "background")
+ENDED_BATCH = ("completed", "failed", "expired", "cancelled")
 SYSTEM = "You are a concise assistant."
 TOPICS = ("rivers", "bridges", "volcanoes", "orchards", "lighthouses", "glaciers", "deserts", "harbors")
 
@@ -58,6 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="interactive: greedy tokens per chat")
     p.add_argument("--background-max-tokens", type=int, default=64)
     p.add_argument("--backlog", type=int, default=4, help="background responses kept outstanding")
+    p.add_argument("--batch-lines", type=int, default=0, help="a batch of this many lines instead (0: none)")
+    p.add_argument("--batch-max-tokens", type=int, default=16, help="greedy tokens per batch line")
+    p.add_argument(
+        "--batch-store-url", default="postgresql://postgres@127.0.0.1:5432/postgres", help="batches.store_url"
+    )
     p.add_argument("--drain-concurrency", type=int, default=2, help="queue.drain_concurrency")
     p.add_argument("--drain-max-waiting", type=int, default=0, help="queue.drain_max_waiting")
     p.add_argument("--seed", type=int, default=0)
@@ -79,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
     config = logs / "bench-config.yaml"
     # A loaded 2-core machine may take a while per step; what is measured is latency, not a timeout.
     limits = {"step_timeout_ms": 20000, "max_output_tokens": 100, "default_max_output_tokens": 64}
-    config.write_text(yaml.safe_dump({"queue": queue, "limits": limits}))
+    settings: dict[str, Any] = {"queue": queue, "limits": limits}
+    if args.batch_lines:
+        settings["batches"] = {"store_url": args.batch_store_url, "table_prefix": "kvrelay_bench_"}
+    config.write_text(yaml.safe_dump(settings))
     try:
         with interrupted_by(signal.SIGTERM):
             stack = start_up_stack(UpSettings(args.model, config, logs / "stack"))
@@ -102,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
 class Phase:
     side: str
     records: list[RequestRecord] = field(default_factory=list)
-    submitted: int = 0  # background responses created during the phase
-    completed: int = 0  # background responses that completed during the phase
+    submitted: int = 0  # background responses (or batch lines) created during the phase
+    completed: int = 0  # background responses (or batch lines) that completed during the phase
+    batch_done_after_s: float | None = None  # a batch: how long after the load stopped it completed
 
     def summary(self) -> dict[str, Any]:
         ttfts = [r.ttft_s for r in self.records if r.status == "ok" and r.ttft_s is not None]
@@ -112,6 +124,7 @@ class Phase:
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "background_submitted": self.submitted, "background_completed": self.completed,
             "background_completed_fraction": self.completed / self.submitted if self.submitted else None,
+            "batch_done_after_load_s": self.batch_done_after_s,
         }  # fmt: skip
 
 
@@ -180,7 +193,8 @@ async def _phase(
 ) -> Phase:  # fmt: skip
     phase = Phase(side)
     stop = asyncio.Event()
-    feeder = asyncio.create_task(_feed(http, opts, args, phase, stop)) if side == "background" else None
+    feed = _feed_batch if args.batch_lines else _feed
+    feeder = asyncio.create_task(feed(http, opts, args, phase, stop)) if side == "background" else None
     t0 = time.perf_counter()
     tasks, at, i = [], 0.0, 0
     while at < args.phase_seconds:
@@ -224,6 +238,41 @@ async def _feed(
         await http.post(f"/v1/responses/{response_id}/cancel")
 
 
+async def _feed_batch(
+    http: httpx.AsyncClient, opts: SendOptions, args: argparse.Namespace, phase: Phase, stop: asyncio.Event
+) -> None:
+    """One batch of `args.batch_lines` chat lines, created now; after `stop`, wait for it to complete."""
+    lines = [
+        json.dumps({
+            "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {
+                "model": opts.model, "messages": _messages(i), "max_tokens": args.batch_max_tokens,
+                "temperature": 0,
+            },
+        })
+        for i in range(args.batch_lines)
+    ]  # fmt: skip
+    files = {"file": ("bench.jsonl", "\n".join(lines).encode())}
+    upload = await http.post("/v1/files", files=files, data={"purpose": "batch"})
+    upload.raise_for_status()
+    body = {
+        "input_file_id": upload.json()["id"],
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    created = await http.post("/v1/batches", json=body)
+    created.raise_for_status()
+    batch_id = created.json()["id"]
+    phase.submitted = args.batch_lines
+    await stop.wait()
+    phase.completed = (await http.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"]
+    stopped = time.perf_counter()
+    while (batch := (await http.get(f"/v1/batches/{batch_id}")).json())["status"] not in ENDED_BATCH:
+        await asyncio.sleep(0.5)
+    if batch["status"] == "completed":
+        phase.batch_done_after_s = time.perf_counter() - stopped
+
+
 async def _settle(http: httpx.AsyncClient, url: str, timeout_s: float = 300.0) -> None:
     """Wait until no worker runs anything and the queue holds nothing."""
     deadline = time.monotonic() + timeout_s
@@ -244,7 +293,7 @@ def _report(result: dict[str, Any]) -> str:
     lines = [
         f"saturation {result['saturation_rps']:.2f} req/s; "
         f"interactive load {result['interactive_rps']:.2f} req/s",
-        "round  side        requests  TTFT p50 ms  TTFT p99 ms  background completed/submitted",
+        "round  side        requests  TTFT p50 ms  TTFT p99 ms  background (batch lines) done/submitted",
     ]
     for index, phases in enumerate(result["rounds"]):
         for side in SIDES:
@@ -253,6 +302,8 @@ def _report(result: dict[str, Any]) -> str:
                 s[k] * 1000 if s[k] is not None else float("nan") for k in ("ttft_p50_s", "ttft_p99_s")
             )
             bg = f"{s['background_completed']}/{s['background_submitted']}" if side == "background" else "-"
+            if side == "background" and s.get("batch_done_after_load_s") is not None:
+                bg += f" (batch completed {s['batch_done_after_load_s']:.1f} s after the load)"
             lines.append(f"{index:>5}  {side:<10}  {s['requests']:>8}  {p50:>11.1f}  {p99:>11.1f}  {bg}")
     ratios = ", ".join(f"{r:.2f}" for r in result["ttft_p50_ratios"])
     lines.append(

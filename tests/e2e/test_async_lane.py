@@ -6,11 +6,14 @@ openai SDK (strict, no retries):
 - a response whose accepting codec is SIGKILLed mid-run still completes, and is read and streamed with
   `starting_after` through another codec, then another is cancelled there;
 - a drainer SIGKILLed mid-run: another takes its jobs over, and every job ends completed, once;
-- the queue's Redis SIGKILLed mid-run and started again on its append-only file: no job lost.
+- the queue's Redis SIGKILLed mid-run and started again on its append-only file: no job lost;
+- a drainer SIGKILLed mid-batch (issue 53): the batch completes with every custom_id exactly once.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ import pytest
 
 from services.common.cache_redis import start_queue_redis, stop_cache_redis
 from tests.e2e.conftest import TOKEN, RunningStack, wait_http_ready
+from tests.postgres import fresh_database
 from tests.stack_helpers import Proc, free_port, stack_env
 from tests.stack_helpers import wait_for as wait_within
 
@@ -42,6 +46,7 @@ class Lane:
     logs: Path
     redis_port: int
     redis_dir: Path
+    database: str = ""  # the batch store (PostgreSQL)
     redis: Any = None
     codecs: dict[str, tuple[Proc, str]] = field(default_factory=dict)
 
@@ -57,6 +62,8 @@ class Lane:
             KVRELAY_QUEUE__DRAIN_POLL_MS="50",
             KVRELAY_QUEUE__SOCKET_TIMEOUT_MS="500",
             KVRELAY_QUEUE__DRAIN_CONCURRENCY="2",
+            KVRELAY_BATCHES__STORE_URL=self.database,
+            KVRELAY_BATCHES__SWEEP_MS="200",
             KVRELAY_LIMITS__STEP_TIMEOUT_MS="20000",  # a loaded 2-core machine: what is tested is the lane
             KVRELAY_LIMITS__MAX_OUTPUT_TOKENS="100",  # (and 20 s × 100 fits the request timeout)
             KVRELAY_LIMITS__DEFAULT_MAX_OUTPUT_TOKENS="64",
@@ -88,7 +95,8 @@ def lane(stack: RunningStack, model_dir: Path, tmp_path: Path) -> Iterator[Lane]
     made.redis_dir.mkdir()
     made.start_redis()
     try:
-        yield made
+        with fresh_database() as made.database:
+            yield made
     finally:
         for proc, _ in made.codecs.values():
             proc.stop()
@@ -207,6 +215,44 @@ def test_a_drainer_stopped_with_sigterm_finishes_or_gives_back_its_jobs(lane: La
     wait_for(lambda: set(statuses(client, ids)) <= ENDED, "not every job ended", 240)
     assert set(statuses(client, ids)) <= FINISHED
     assert all(ended_once(client, response_id) for response_id in ids)
+
+
+def test_a_drainer_killed_mid_batch_leaves_every_custom_id_answered_once(lane: Lane) -> None:
+    lane.start_codec("accepting", drain=False)
+    lane.start_codec("first-drainer", drain=True)
+    client = lane.client("accepting")
+    model = _model(client)
+    lines = [
+        json.dumps({
+            "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {
+                "model": model, "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+                "max_tokens": MAX_TOKENS, "temperature": 0,
+            },
+        })
+        for i in range(8)
+    ]  # fmt: skip
+    upload = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    counts = wait_for(
+        lambda: (c := client.batches.retrieve(batch.id).request_counts) and c.completed >= 1 and c,
+        "the first drainer never finished a line",
+    )
+    lane.kill("first-drainer")
+    assert counts.completed < 8  # killed mid-batch
+    lane.start_codec("second-drainer", drain=True)
+    done = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, "never completed", 240
+    )
+    assert (
+        done.request_counts is not None and done.request_counts.completed == 8 and done.error_file_id is None
+    )
+    assert done.output_file_id is not None
+    output = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in output) == sorted(f"line-{i}" for i in range(8))  # each once
+    assert all(r["response"]["status_code"] == 200 for r in output)
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
