@@ -70,6 +70,13 @@ def render(
     return objects
 
 
+def helm_error() -> type[Exception]:
+    """What a render the chart refuses (`fail`) or the schema rejects raises."""
+    import helm_python as helm
+
+    return helm.HelmError
+
+
 def render_notes(values: Mapping[str, Any] | None = None) -> str:
     import helm_python as helm
 

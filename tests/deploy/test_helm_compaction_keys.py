@@ -24,6 +24,7 @@ from tests.deploy.chart import (
     deployment,
     effective_config_env,
     env_of,
+    helm_error,
     pod_spec,
     render,
     render_notes,
@@ -34,12 +35,6 @@ SECRET = "kvrelay-compaction-keys"
 WITH_KEYS: dict[str, Any] = {"responses": {"compactionKeys": {"existingSecret": SECRET}}}
 ENV = "KVRELAY_RESPONSES__COMPACTION_KEYS_FILE"
 WARNING = "WARNING: no responses.compactionKeys.existingSecret"
-
-
-def helm_error() -> type[Exception]:
-    import helm_python as helm
-
-    return helm.HelmError
 
 
 def test_the_secret_is_mounted_into_the_codec_and_named_by_the_config(tmp_path: Path) -> None:

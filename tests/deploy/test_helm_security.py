@@ -35,6 +35,7 @@ from tests.deploy.chart import (
     env_of,
     find,
     fullname,
+    helm_error,
     one,
     pod_spec,
     render,
@@ -56,12 +57,6 @@ CERT_MANAGER = {
     "gpu": {"enabled": False},
 }
 REDIS_TLS = {"redis": {"tls": {"enabled": True, "existingSecret": "kvrelay-redis-tls"}}}
-
-
-def helm_error() -> type[Exception]:
-    import helm_python as helm
-
-    return helm.HelmError
 
 
 def redis_container(objects: list[dict]) -> dict:

@@ -182,6 +182,10 @@ def test_bad_lines_become_error_records_and_the_batch_completes(stack: Stack) ->
         {**chat_line("wrong-url"), "url": "/v1/completions"},
         chat_line("streamed", stream=True),
         chat_line("too-long", max_tokens=10**9),  # refused by the route when it runs: a 400 record
+        '{"custom_id": "nan", "url": "/v1/chat/completions", "body": {"temperature": NaN}}',
+        json.dumps(chat_line("nul\x00")),  # PostgreSQL keeps no NUL character
+        "[" * 200 + "]" * 200,
+        "",  # blank: skipped, still counted as a line of the file
         chat_line("good-2"),
     ]
     batch = client.batches.create(
@@ -189,10 +193,16 @@ def test_bad_lines_become_error_records_and_the_batch_completes(stack: Stack) ->
     )
     done = ended(client, batch.id)
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (7, 2, 5)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
+        10,
+        2,
+        8,
+    )
     assert sorted(r["custom_id"] for r in records(client, done.output_file_id)) == ["good-1", "good-2"]
     errors = {r["custom_id"]: r for r in records(client, done.error_file_id)}
-    assert errors[None]["error"]["code"] == "invalid_json_line" and errors[None]["error"]["line"] == 2
+    refused = [r for r in records(client, done.error_file_id) if r["custom_id"] is None]
+    assert [r["error"]["line"] for r in refused] == [2, 7, 8, 9]  # the file's own line numbers
+    assert {r["error"]["code"] for r in refused} == {"invalid_json_line"}
     assert errors["wrong-model"]["error"]["code"] == "model_not_found"
     assert errors["wrong-url"]["error"]["code"] == "mismatched_endpoint"
     assert errors["streamed"]["error"]["code"] == "unsupported_parameter"
@@ -250,6 +260,7 @@ def test_anthropic_message_batches_run_and_give_results(stack: Stack) -> None:
             {"custom_id": "a-1", "params": params},  # type: ignore[typeddict-item]
             {"custom_id": "a-2", "params": {**params, "model": "not-served"}},  # type: ignore[typeddict-item]
             {"custom_id": "a-3", "params": params},  # type: ignore[typeddict-item]
+            {"custom_id": "a-4", "params": {**params, "system": "nul\x00"}},  # type: ignore[typeddict-item]
         ]
     )
     assert batch.processing_status == "in_progress" and batch.request_counts.processing == 2
@@ -257,9 +268,9 @@ def test_anthropic_message_batches_run_and_give_results(stack: Stack) -> None:
         lambda: (b := client.messages.batches.retrieve(batch.id)).processing_status == "ended" and b,
         "never ended",
     )
-    assert (done.request_counts.succeeded, done.request_counts.errored) == (2, 1) and done.ended_at
+    assert (done.request_counts.succeeded, done.request_counts.errored) == (2, 2) and done.ended_at
     results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
-    assert set(results) == {"a-1", "a-2", "a-3"}
+    assert set(results) == {"a-1", "a-2", "a-3", "a-4"} and results["a-4"].type == "errored"
     assert results["a-1"].type == "succeeded" and results["a-1"].message.content[0].text == "Hello world"  # type: ignore[union-attr]
     assert results["a-2"].type == "errored" and results["a-2"].error.error.type == "invalid_request_error"  # type: ignore[union-attr]
     assert batch.id in [b.id for b in client.messages.batches.list()]
@@ -343,6 +354,8 @@ def test_bad_requests_are_clean_errors(stack: Stack) -> None:
     assert duplicate.value.body["type"] == "error"  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError):
         anth.messages.batches.create(requests=[])
+    with pytest.raises(anthropic.BadRequestError):  # a custom_id is 1 to 64 of [a-zA-Z0-9_-], no newline
+        anth.messages.batches.create(requests=[{"custom_id": "x\n", "params": params}])  # type: ignore[list-item]
 
 
 def test_without_a_store_the_routes_say_how_to_configure_them(model_dir: Path) -> None:

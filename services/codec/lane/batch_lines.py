@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from services.codec.lane.batch_store import LineRow
@@ -24,15 +24,19 @@ from services.common.errors import InvalidRequestError
 
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ANTHROPIC_ENDPOINT = "/v1/messages"
-ANTHROPIC_CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+ANTHROPIC_CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+MAX_DEPTH = 64  # a line nested deeper is refused (as a request body is, protocols/request_body.py)
 
 
 def openai_lines(
     content: bytes, endpoint: str, serves: Callable[[str], bool], max_lines: int
 ) -> list[LineRow]:
-    """The lines of an OpenAI batch input file (JSONL: `custom_id`, `method`, `url`, `body`)."""
+    """The lines of an OpenAI batch input file (JSONL: `custom_id`, `method`, `url`, `body`). A line's
+    index is its place in the file (blank lines are skipped, and counted)."""
     lines = []
-    for idx, raw in enumerate(_nonblank(content)):
+    for idx, raw in enumerate(content.split(b"\n")):
+        if not raw.strip():
+            continue
         lines.append(_openai_line(idx, raw, endpoint, serves))
         if len(lines) > max_lines:
             raise InvalidRequestError(
@@ -54,11 +58,16 @@ def anthropic_lines(requests: list[Any], serves: Callable[[str], bool], max_line
     lines = []
     for idx, request in enumerate(requests):
         custom_id = request.get("custom_id") if isinstance(request, dict) else None
-        if not isinstance(custom_id, str) or not ANTHROPIC_CUSTOM_ID.match(custom_id):
+        if not isinstance(custom_id, str) or not ANTHROPIC_CUSTOM_ID.fullmatch(custom_id):
             raise InvalidRequestError(
                 f"requests.{idx}.custom_id: 1 to 64 letters, digits, '-' or '_' are required", "requests"
             )
         params = request.get("params")
+        if not _storable(params):
+            lines.append(
+                _refused(idx, custom_id, "invalid_body", "params holds a NUL character or lone surrogate")
+            )
+            continue
         lines.append(_checked(idx, custom_id, ANTHROPIC_ENDPOINT, params, serves))
     _check_unique(lines, "requests")
     return lines
@@ -68,19 +77,14 @@ def line_error(idx: int, code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "line": idx + 1}}
 
 
-def _nonblank(content: bytes) -> Iterable[bytes]:
-    for raw in content.split(b"\n"):
-        if raw.strip():
-            yield raw
-
-
 def _openai_line(idx: int, raw: bytes, endpoint: str, serves: Callable[[str], bool]) -> LineRow:
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return _refused(idx, None, "invalid_json_line", "the line is not valid JSON")
+    record = _loads(raw)
     if not isinstance(record, dict):
-        return _refused(idx, None, "invalid_json_line", "the line is not a JSON object")
+        return _refused(
+            idx, None, "invalid_json_line",
+            "the line is not a JSON object (UTF-8, no NaN or Infinity, no NUL character or lone surrogate, "
+            f"nested at most {MAX_DEPTH} deep)",
+        )  # fmt: skip
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return _refused(idx, None, "invalid_custom_id", "custom_id must be a non-empty string")
@@ -91,6 +95,44 @@ def _openai_line(idx: int, raw: bytes, endpoint: str, serves: Callable[[str], bo
             idx, custom_id, "mismatched_endpoint", f"url must be the batch's endpoint, {endpoint}"
         )
     return _checked(idx, custom_id, endpoint, record.get("body"), serves)
+
+
+def _loads(raw: bytes) -> Any:
+    """The line's JSON value, or None when it is not JSON the store can keep."""
+    try:
+        text = raw.decode("utf-8")
+        if _depth(text) > MAX_DEPTH:
+            return None
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value if _storable(value) else None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _depth(text: str) -> int:
+    """How deep brackets nest in `text` (an upper bound: brackets inside strings count too)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _storable(value: Any) -> bool:
+    """No NUL character and no lone surrogate anywhere: what PostgreSQL's jsonb and text refuse."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+        text.encode("utf-8")
+    except (UnicodeEncodeError, ValueError, RecursionError):
+        return False
+    return "\\u0000" not in text
 
 
 def _checked(idx: int, custom_id: str, url: str, body: Any, serves: Callable[[str], bool]) -> LineRow:

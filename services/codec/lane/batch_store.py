@@ -22,6 +22,7 @@ Every failure to reach PostgreSQL is BatchStoreUnavailableError (a 503 in the pr
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -97,17 +98,20 @@ CREATE TABLE IF NOT EXISTS {p}files (
   id text PRIMARY KEY, tenant text NOT NULL, purpose text NOT NULL, filename text NOT NULL,
   bytes bigint NOT NULL, created_at bigint NOT NULL, expires_at bigint, content bytea NOT NULL);
 CREATE INDEX IF NOT EXISTS {p}files_by_tenant ON {p}files (tenant, created_at, id);
+CREATE INDEX IF NOT EXISTS {p}files_by_expiry ON {p}files (expires_at);
 CREATE TABLE IF NOT EXISTS {p}batches (
   id text PRIMARY KEY, tenant text NOT NULL, api text NOT NULL, key_id text, status text NOT NULL,
   created_at bigint NOT NULL, expires_at bigint NOT NULL, ended_at bigint, num_lines int NOT NULL,
   detail jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS {p}batches_by_tenant ON {p}batches (tenant, api, created_at, id);
+CREATE INDEX IF NOT EXISTS {p}batches_by_end ON {p}batches (ended_at);
 CREATE INDEX IF NOT EXISTS {p}batches_open ON {p}batches (status, expires_at)
   WHERE status IN ('in_progress', 'cancelling', 'expiring');
 CREATE TABLE IF NOT EXISTS {p}batch_lines (
   batch_id text NOT NULL REFERENCES {p}batches (id) ON DELETE CASCADE, idx int NOT NULL,
   custom_id text, request jsonb, state text NOT NULL, outcome text, result jsonb,
-  PRIMARY KEY (batch_id, idx));
+  attempts int NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, idx));
+CREATE INDEX IF NOT EXISTS {p}batch_lines_undone ON {p}batch_lines (batch_id) WHERE state <> 'done';
 """
 
 
@@ -116,9 +120,14 @@ class BatchStore:
 
     def __init__(self, url: str, *, prefix: str = "kvrelay_", timeout_s: float = 5.0) -> None:
         self.prefix = prefix
+        # Each connection checked as it is handed out, and kept alive with TCP keepalives: a server that
+        # went away is found in seconds, not at the kernel's TCP timeout.
+        alive = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
         self.pool = AsyncConnectionPool(
-            url, min_size=1, max_size=8, open=False, timeout=timeout_s, kwargs={"connect_timeout": 5}
-        )
+            url, min_size=1, max_size=8, open=False, timeout=timeout_s,
+            kwargs={"connect_timeout": max(1, int(timeout_s)), **alive},
+            check=AsyncConnectionPool.check_connection,
+        )  # fmt: skip
         self._ready = False
 
     async def open(self) -> None:
@@ -173,9 +182,10 @@ class BatchStore:
             args.append(purpose)
         if after is not None:
             where.append(
-                f"(created_at, id) {op} (SELECT created_at, id FROM {self.prefix}files WHERE id = %s)"
+                f"(created_at, id) {op} (SELECT created_at, id FROM {self.prefix}files WHERE id = %s "
+                "AND tenant = %s)"
             )
-            args.append(after)
+            args += [after, tenant]
         async with self.transaction("list files") as cur:
             await cur.execute(
                 f"SELECT {_FILE_COLUMNS} FROM {self.prefix}files WHERE {' AND '.join(where)} "
@@ -240,9 +250,10 @@ class BatchStore:
         for anchor, op in ((after, "<"), (before, ">")):
             if anchor is not None:
                 where.append(
-                    f"(created_at, id) {op} (SELECT created_at, id FROM {self.prefix}batches WHERE id = %s)"
+                    f"(created_at, id) {op} (SELECT created_at, id FROM {self.prefix}batches WHERE id = %s "
+                    "AND tenant = %s AND api = %s)"
                 )
-                args.append(anchor)
+                args += [anchor, tenant, api]
         order = "ASC" if before is not None and after is None else "DESC"
         async with self.transaction("list batches") as cur:
             await cur.execute(
@@ -290,23 +301,25 @@ class BatchStore:
 
     # -- lines -------------------------------------------------------------------------------------------
 
-    async def claim(self, batch_id: str, idx: int) -> tuple[str, LineRow | None]:
-        """Start the line: (the batch's status, the line when it is to run). A line runs while its batch is
-        in progress and the line is pending, or running (its last drainer died: the queue handed it over)."""
+    async def claim(self, batch_id: str, idx: int) -> tuple[str, LineRow | None, int]:
+        """Start the line: (the batch's status, the line when it is to run, the times it was started). A
+        line runs while its batch is in progress and the line is pending, or running (its last drainer died:
+        the queue handed it over)."""
         async with self.transaction("start a batch line") as cur:
             await cur.execute(f"SELECT status FROM {self.prefix}batches WHERE id = %s", (batch_id,))
             found = await cur.fetchone()
             if found is None:
-                return "gone", None
+                return "gone", None, 0
             if found["status"] != "in_progress":
-                return str(found["status"]), None
+                return str(found["status"]), None, 0
             await cur.execute(
-                f"UPDATE {self.prefix}batch_lines SET state = 'running' WHERE batch_id = %s AND idx = %s "
-                "AND state <> 'done' RETURNING idx, custom_id, request, outcome, result",
+                f"UPDATE {self.prefix}batch_lines SET state = 'running', attempts = attempts + 1 "
+                "WHERE batch_id = %s AND idx = %s AND state <> 'done' "
+                "RETURNING idx, custom_id, request, outcome, result, attempts",
                 (batch_id, idx),
             )
             line = await cur.fetchone()
-        return "in_progress", _line_row(line) if line else None
+        return "in_progress", _line_row(line) if line else None, int(line["attempts"]) if line else 0
 
     async def finish_line(self, batch_id: str, idx: int, outcome: str, result: dict[str, Any]) -> bool:
         """Write the line's outcome, once (False: it was already done)."""
@@ -314,7 +327,7 @@ class BatchStore:
             await cur.execute(
                 f"UPDATE {self.prefix}batch_lines SET state = 'done', outcome = %s, result = %s "
                 "WHERE batch_id = %s AND idx = %s AND state <> 'done'",
-                (outcome, Jsonb(result), batch_id, idx),
+                (outcome, Jsonb(storable(result)), batch_id, idx),
             )
             return cur.rowcount > 0
 
@@ -399,16 +412,19 @@ class BatchStore:
     # -- upkeep ------------------------------------------------------------------------------------------
 
     async def due(self, now: int) -> tuple[list[str], list[str]]:
-        """(batches in progress past their expiry, batches closing) — for the sweeper."""
+        """(batches in progress past their expiry, batches to end if their lines are all done: the closing
+        ones, and those in progress with no line left, whose last finisher died before ending them)."""
         async with self.transaction("find batches due") as cur:
             await cur.execute(
-                f"SELECT id, status, expires_at FROM {self.prefix}batches WHERE status = ANY(%s)",
+                f"SELECT b.id, b.status, b.expires_at, NOT EXISTS (SELECT 1 FROM {self.prefix}batch_lines l "
+                "WHERE l.batch_id = b.id AND l.state <> 'done') AS all_done "
+                f"FROM {self.prefix}batches b WHERE b.status = ANY(%s)",
                 (list(OPEN),),
             )
             rows = await cur.fetchall()
         expired = [r["id"] for r in rows if r["status"] == "in_progress" and r["expires_at"] <= now]
-        closing = [r["id"] for r in rows if r["status"] != "in_progress"]
-        return expired, closing
+        ending = [r["id"] for r in rows if r["status"] != "in_progress" or r["all_done"]]
+        return expired, ending
 
     async def forget_before(self, now: int, batches_before: int) -> None:
         """Drop expired files, and batches (with their lines) that ended before `batches_before`."""
@@ -447,13 +463,16 @@ class BatchStore:
         """A cursor in one transaction; any failure to reach PostgreSQL is BatchStoreUnavailableError."""
         try:
             async with self.pool.connection() as conn:
-                if not self._ready:
-                    await conn.execute(_SCHEMA.format(p=self.prefix))
-                    await conn.commit()
+                if not self._ready:  # one maker at a time: concurrent IF NOT EXISTS collide in pg_type
+                    async with conn.transaction():
+                        await conn.execute(
+                            "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"schema:{self.prefix}",)
+                        )
+                        await conn.execute(_SCHEMA.format(p=self.prefix))
                     self._ready = True
                 async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
                     yield cur
-        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:  # not DataError
             raise BatchStoreUnavailableError(
                 f"the batch store failed to {what}: {type(exc).__name__}"
             ) from exc
@@ -492,4 +511,12 @@ def _line_row(found: dict[str, Any]) -> LineRow:
 
 
 def _json(value: dict[str, Any] | None) -> Jsonb | None:
-    return None if value is None else Jsonb(value)
+    return None if value is None else Jsonb(storable(value))
+
+
+def storable(value: dict[str, Any]) -> dict[str, Any]:
+    """`value` as PostgreSQL's jsonb takes it: no NUL character (\\u0000 becomes U+FFFD) and no lone
+    surrogate (it becomes '?')."""
+    text = json.dumps(value, ensure_ascii=False).replace("\\u0000", "\\ufffd")
+    result: dict[str, Any] = json.loads(text.encode("utf-8", "replace").decode("utf-8"))
+    return result

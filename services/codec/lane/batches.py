@@ -121,7 +121,7 @@ class Batches:
             record = openai_result(batch.batch_id, line)
             (output if line.outcome == "succeeded" else errors).append(json.dumps(record) + "\n")
         files = []
-        expires_at = now + self.config.file_ttl_s
+        expires_at = now + int(batch.detail.get("output_ttl_s") or self.config.file_ttl_s)
         for name, records in (("output", output), ("error", errors)):
             if records:
                 new = NewFile(
@@ -148,8 +148,12 @@ class Batches:
 
     async def sweep_forever(self) -> None:
         while True:
-            with contextlib.suppress(BatchStoreUnavailableError):
+            try:
                 await self.sweep()
+            except BatchStoreUnavailableError:
+                pass
+            except Exception as exc:  # a bug here must not end the sweeping
+                logger.error("the batch sweep failed", exc_info=exc)
             await asyncio.sleep(self.config.sweep_ms / 1000)
 
     async def refresh_forever(self, every_s: float) -> None:
@@ -160,6 +164,8 @@ class Batches:
                 self.metrics.up.set(1)
             except BatchStoreUnavailableError:
                 self.metrics.up.set(0)
+            except Exception as exc:  # a bug here must not end the refreshing
+                logger.error("reading the batch store's census failed", exc_info=exc)
             await asyncio.sleep(every_s)
 
     # -- one line (on drainers) --------------------------------------------------------------------------
@@ -168,15 +174,15 @@ class Batches:
         """Run the line `job` names, keep its result and retire the job: the line's outcome (`skipped`
         when it was done already or its batch is closing)."""
         batch_id, idx = str(job.payload["batch"]), int(job.payload["line"])
-        status, line = await self.store.claim(batch_id, idx)
+        status, line, attempts = await self.store.claim(batch_id, idx)
         if line is None or line.request is None:
             await self.store.end_line(batch_id, idx, status)
-            await self.queue.finish(job, "skipped", keep_s=LINE_RESULT_KEEP_S)
             if status in OPEN:
                 await self.finalize(batch_id)
+            await self.queue.finish(job, "skipped", keep_s=LINE_RESULT_KEEP_S)
             return "skipped"
         try:
-            outcome, result = await self._answer(job, line, app, authenticator)
+            outcome, result = await self._answer(job, line, attempts, app, authenticator)
         except (BatchStoreUnavailableError, QueueUnavailableError, asyncio.CancelledError):
             raise  # left pending: run again later
         except Exception as exc:  # a bug here must not leave the line unanswered
@@ -189,13 +195,15 @@ class Batches:
             await self.store.end_line(batch_id, idx, "cancelling" if outcome == "cancelled" else "expiring")
         else:
             await self.store.finish_line(batch_id, idx, outcome, result)
-        await self.queue.finish(job, outcome, keep_s=LINE_RESULT_KEEP_S)
         self.metrics.lines.labels(outcome).inc()
+        # Ended before the job is retired: a drainer that dies between the two leaves the job, whose next
+        # run finds the line done and ends the batch (and the sweeper ends any batch left with no line).
         await self.finalize(batch_id)
+        await self.queue.finish(job, outcome, keep_s=LINE_RESULT_KEEP_S)
         return outcome
 
     async def _answer(
-        self, job: Job, line: LineRow, app: ASGIApp, authenticator: Authenticator
+        self, job: Job, line: LineRow, attempts: int, app: ASGIApp, authenticator: Authenticator
     ) -> tuple[str, dict[str, Any]]:
         assert line.request is not None
         tenant = authenticator.tenant_of_key(job.key_id)
@@ -203,8 +211,8 @@ class Batches:
             return "errored", {
                 "error": {"code": "invalid_api_key", "message": "the batch's API key was revoked"}
             }
-        if job.exhausted:
-            message = f"the line was started {job.deliveries - 1} times and never finished"
+        if attempts > self.queue.max_attempts:  # its drainers kept dying (not: the store was away)
+            message = f"the line was started {attempts - 1} times and never finished"
             return "errored", {"error": {"code": "server_error", "message": message}}
         give_up = time.monotonic() + inprocess.REFUSED_FOR_S
         while True:
@@ -227,7 +235,7 @@ def _line_job(batch: BatchRow, idx: int) -> Job:
     payload = {"batch": batch.batch_id, "line": idx}
     return Job(
         f"{batch.batch_id}.{idx}", batch.tenant, LINE_KIND, payload, priority.LOW, 0, batch.key_id,
-        float(batch.created_at),
+        float(batch.created_at), uncapped=True,
     )  # fmt: skip
 
 

@@ -133,6 +133,14 @@ class Drainer:
     async def _run(self, job: Job) -> None:
         renewing = asyncio.create_task(self._renew(job))
         try:
+            if job.kind == LINE_KIND and self.batches is None:
+                # Not this drainer's to run (it has no batch store): left unrenewed, the next drainer to
+                # look takes it over after queue.claim_after_ms.
+                logger.error(
+                    "job %s is a batch line, but this drainer has no batch store (batches.store_url)",
+                    job.job_id,
+                )
+                return
             if job.kind == LINE_KIND and self.batches is not None:
                 await self.batches.run_line(job, self.app, self.authenticator)
             else:
@@ -144,6 +152,8 @@ class Drainer:
             raise
         except (QueueUnavailableError, BatchStoreUnavailableError) as exc:  # taken over once it is back
             logger.error("job %s left to be retried: %s", job.job_id, exc)
+        except Exception as exc:  # a bug: the job stays pending, taken over after queue.claim_after_ms
+            logger.error("job %s failed in the drainer; left to be retried", job.job_id, exc_info=exc)
         finally:
             renewing.cancel()
             self.running.pop(job.job_id, None)

@@ -124,11 +124,13 @@ class Job:
     entry_id: str = ""
     deliveries: int = 0
     exhausted: bool = False  # delivered max_attempts times without finishing: fail it
+    uncapped: bool = False  # enqueued past the tenant's caps and counted apart (a batch's line)
 
     def fields(self) -> dict[str, str]:
         record = {
             "job_id": self.job_id, "tenant": self.tenant, "kind": self.kind, "priority": self.priority,
             "num_tokens": self.num_tokens, "key_id": self.key_id, "enqueued_at": self.enqueued_at,
+            "uncapped": self.uncapped,
         }  # fmt: skip
         return {"job": json.dumps(record), "payload": json.dumps(self.payload, separators=(",", ":"))}
 
@@ -139,6 +141,7 @@ class Job:
             record["job_id"], record["tenant"], record["kind"], json.loads(fields["payload"]),
             int(record["priority"]), int(record["num_tokens"]), record["key_id"],
             float(record["enqueued_at"]), entry_id, deliveries, deliveries > max_attempts,
+            bool(record.get("uncapped", False)),
         )  # fmt: skip
 
 
@@ -199,8 +202,10 @@ class JobQueue:
     def cancel_key(self, job_id: str) -> str:
         return f"{self.prefix}cancel:{job_id}"
 
-    def tenant_key(self, tenant: str) -> str:
-        return f"{self.prefix}tenant:{tenant}"
+    def tenant_key(self, tenant: str, uncapped: bool = False) -> str:
+        """The tenant's queued jobs and tokens: those its caps count, or those enqueued uncapped (batch
+        lines), counted apart."""
+        return f"{self.prefix}{'uncapped' if uncapped else 'tenant'}:{tenant}"
 
     # -- producing ---------------------------------------------------------------------------------------
 
@@ -218,21 +223,24 @@ class JobQueue:
             raise QueueFullError(str(what), int(held), int(cap or 0))
         return str(what)
 
-    async def enqueue_many(self, jobs: list[Job]) -> None:
-        """Add `jobs` (a batch's lines) in one round trip, counted for their tenant but never refused:
-        a batch is capped by its own limits (docs/batches.md)."""
-        if not jobs:
-            return
+    async def enqueue_many(self, jobs: list[Job], chunk: int = 1000) -> None:
+        """Add `jobs` (a batch's lines, each `uncapped`), `chunk` to a round trip, never refused: a batch is
+        capped by its own limits (docs/batches.md). They are counted apart from the tenant's capped jobs, so
+        a big batch never holds back a background response."""
+        assert all(job.uncapped for job in jobs)
         async with self.calling("enqueue a batch's lines"):
-            pipe = self.client.pipeline(transaction=False)
-            for job in jobs:
-                args: list[Any] = [0, 0, job.num_tokens]
-                for name, value in job.fields().items():
-                    args += [name, value]
-                await self._enqueue(  # queued on the pipeline (its script loaded at execute)
-                    keys=[self.tenant_key(job.tenant), self.stream(job.priority)], args=args, client=pipe
-                )
-            await pipe.execute()
+            for start in range(0, len(jobs), chunk):
+                pipe = self.client.pipeline(transaction=False)
+                for job in jobs[start : start + chunk]:
+                    args: list[Any] = [0, 0, job.num_tokens]
+                    for name, value in job.fields().items():
+                        args += [name, value]
+                    await self._enqueue(  # queued on the pipeline (its script loaded at execute)
+                        keys=[self.tenant_key(job.tenant, uncapped=True), self.stream(job.priority)],
+                        args=args,
+                        client=pipe,
+                    )
+                await pipe.execute()
 
     async def cancel(self, job_id: str) -> None:
         """Ask for `job_id` to stop: a queued job is finished as cancelled when taken, a running one by its
@@ -289,7 +297,7 @@ class JobQueue:
         written with the first result, atomically (a background response's final object and the end of
         its events)."""
         keys = [
-            self.result_key(job.job_id), self.stream(job.priority), self.tenant_key(job.tenant),
+            self.result_key(job.job_id), self.stream(job.priority), self.tenant_key(job.tenant, job.uncapped),
             self.cancel_key(job.job_id),
         ]  # fmt: skip
         args: list[Any] = [result, keep_s or self.result_ttl_s, GROUP, job.entry_id, job.num_tokens]

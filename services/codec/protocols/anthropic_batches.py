@@ -12,6 +12,7 @@ whole batch, as the API answers. Errors take Anthropic's shape (the path is unde
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -77,7 +78,9 @@ async def create_batch(request: Request) -> Response:
     if not isinstance(requests, list):
         raise InvalidRequestError("requests: a list of requests is required", "requests")
     model = codec_state(request).identity.model_name
-    lines = anthropic_lines(requests, lambda name: name == model, batches.config.max_lines)
+    lines = await asyncio.to_thread(
+        anthropic_lines, requests, lambda name: name == model, batches.config.max_lines
+    )
     row = await batches.create(tenant_of(request), "anthropic", lines, {})
     return JSONResponse(await batch_object(request, batches, row))
 
@@ -87,6 +90,8 @@ async def list_batches(request: Request) -> Response:
     batches = require_batches(request)
     query = request.query_params
     limit = page_limit(query.get("limit"), 20, 1000)
+    if query.get("before_id") is not None and query.get("after_id") is not None:
+        raise InvalidRequestError("give before_id or after_id, not both", "before_id")
     rows = await batches.store.batches(
         tenant_of(request).tenant_id, "anthropic", after=query.get("after_id"), before=query.get("before_id"),
         limit=limit + 1,

@@ -12,6 +12,7 @@ with its code, `batch_cancelled` and `batch_expired` for lines that never ran), 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,7 +23,7 @@ from services.codec.errors import ObjectNotFoundError
 from services.codec.lane.batch_lines import OPENAI_ENDPOINTS, openai_lines
 from services.codec.lane.batch_store import BatchRow
 from services.codec.lane.batches import Batches
-from services.codec.protocols.openai_files import list_page, page_limit, require_batches
+from services.codec.protocols.openai_files import expiry_seconds, list_page, page_limit, require_batches
 from services.codec.protocols.request_body import read_json_object
 from services.codec.state import codec_state
 from services.common.errors import InvalidRequestError
@@ -77,8 +78,13 @@ async def create_batch(request: Request) -> Response:
     if file.purpose != "batch":
         raise InvalidRequestError(f"the file's purpose is {file.purpose!r}, not 'batch'", "input_file_id")
     model = state.identity.model_name
-    lines = openai_lines(content, endpoint, lambda name: name == model, batches.config.max_lines)
-    detail = {"endpoint": endpoint, "input_file_id": file_id, "metadata": metadata, "model": model}
+    lines = await asyncio.to_thread(  # up to max_file_bytes of JSON: off the event loop
+        openai_lines, content, endpoint, lambda name: name == model, batches.config.max_lines
+    )
+    detail = {
+        "endpoint": endpoint, "input_file_id": file_id, "metadata": metadata, "model": model,
+        "output_ttl_s": expiry_seconds(body.get("output_expires_after"), "output_expires_after"),
+    }  # fmt: skip
     row = await batches.create(tenant, "openai", lines, detail)
     return JSONResponse(await batch_object(batches, row))
 

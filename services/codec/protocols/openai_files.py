@@ -83,8 +83,9 @@ async def create_file(request: Request) -> Response:
     content = await upload.read()
     if len(content) > batches.config.max_file_bytes:
         raise BodyTooLargeError(batches.config.max_file_bytes)
-    filename = upload.filename or "input.jsonl"
-    row = await batches.add_file(tenant_of(request).tenant_id, "batch", filename[:255], content, ttl_s)
+    filename = (upload.filename or "input.jsonl").replace("\x00", "")[:255]
+    filename = filename.encode("utf-8", "replace").decode("utf-8")  # no lone surrogate: a text column
+    row = await batches.add_file(tenant_of(request).tenant_id, "batch", filename, content, ttl_s)
     return JSONResponse(file_object(row))
 
 
@@ -129,17 +130,24 @@ async def delete_file(request: Request, file_id: str) -> Response:
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-def _ttl(anchor: Any, seconds: Any) -> int | None:
+def expiry_seconds(value: Any, param: str) -> int | None:
+    """An `expires_after` object's seconds (`anchor: created_at`, 1 hour to 30 days); None when absent."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be an object with anchor and seconds", param)
+    return _ttl(value.get("anchor"), value.get("seconds"), param)
+
+
+def _ttl(anchor: Any, seconds: Any, param: str = "expires_after") -> int | None:
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
-        raise InvalidRequestError("expires_after.anchor must be 'created_at'", "expires_after")
+        raise InvalidRequestError(f"{param}.anchor must be 'created_at'", param)
     try:
         ttl_s = int(str(seconds))
     except ValueError:
-        raise InvalidRequestError("expires_after.seconds must be an integer", "expires_after") from None
+        raise InvalidRequestError(f"{param}.seconds must be an integer", param) from None
     if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
-        raise InvalidRequestError(
-            f"expires_after.seconds must be between {MIN_TTL_S} and {MAX_TTL_S}", "expires_after"
-        )
+        raise InvalidRequestError(f"{param}.seconds must be between {MIN_TTL_S} and {MAX_TTL_S}", param)
     return ttl_s

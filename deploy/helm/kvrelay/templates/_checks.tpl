@@ -17,6 +17,12 @@
 {{- if and .Values.redis.tls.enabled (not .Values.redis.tls.existingSecret) (not $tls.enabled) }}
 {{- fail "redis.tls.enabled needs redis.tls.existingSecret (tls.crt, tls.key, ca.crt), or internalTls.enabled, whose certificate then serves Redis too" }}
 {{- end }}
+{{- if and .Values.batches.enabled (not .Values.queue.enabled) }}
+{{- fail "batches.enabled needs the async lane: set queue.enabled (each batch line runs as a job on the drainers; docs/batches.md)" }}
+{{- end }}
+{{- if and .Values.batches.enabled (not .Values.batches.store.bundled) (not .Values.batches.store.external.existingSecret) }}
+{{- fail "batches.store.bundled is false: name the Secret holding your PostgreSQL URL in batches.store.external.existingSecret" }}
+{{- end }}
 {{- include "kvrelay.checkConfigKeys" . }}
 {{- include "kvrelay.checkKvTiers" . }}
 {{- end }}
@@ -30,6 +36,7 @@
       "quotas" (dict "redis_url" "redis.enabled or redis.external")
       "responses" (dict "redis_url" "redis.enabled or redis.external" "key_prefix" "redis.responsesKeyPrefix" "compaction_keys_file" "responses.compactionKeys.existingSecret")
       "server" (dict "metrics_port" "codec.metricsPort")
+      "batches" (dict "store_url" "batches.store" "max_file_bytes" "batches.maxFileBytes" "max_lines" "batches.maxLines")
       "internal_tls" (dict "cert_file" "internalTls" "key_file" "internalTls" "ca_file" "internalTls") }}
 {{- range $section, $keys := $owned }}
 {{- range $key, $instead := $keys }}

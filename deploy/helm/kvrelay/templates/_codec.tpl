@@ -89,6 +89,10 @@ spec:
             # the async lane's queue (docs/async.md)
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with include "kvrelay.batchesEnv" . | trim }}
+            # the Files and Batches APIs' store (docs/batches.md)
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with include "kvrelay.resultCacheEnv" . | trim }}
             # the exact-result cache in the shared KV tier's Redis (config.result_cache)
             {{- . | nindent 12 }}
