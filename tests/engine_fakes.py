@@ -245,3 +245,28 @@ def fake_runner(engine: EngineCore) -> FakeRunner:
     runner = engine.runner
     assert isinstance(runner, FakeRunner)
     return runner
+
+
+@dataclass
+class StubGpu:
+    """A device's memory figures (a MemoryProbe, services/engine/loading/device.py), in bytes."""
+
+    free: int = 8 << 30
+    total: int = 80 << 30
+    allocated: int = 60 << 30
+    reserved: int = 64 << 30
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.free, self.total
+
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+    def max_memory_allocated(self) -> int:
+        return self.allocated
+
+    def reset_peak(self) -> None:
+        pass

@@ -26,6 +26,7 @@ from prometheus_client import (
 )
 
 from services.common import tracing
+from services.common.process_metrics import register_process_metrics
 from services.common.tenants import DEFAULT_TENANT, Tenant
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -134,6 +135,7 @@ class CodecMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        register_process_metrics(self.registry)
         self.ttft = Histogram(
             "kvrelay_time_to_first_token_seconds",
             "Time from request arrival to the first generated token.",

@@ -40,6 +40,7 @@ from services.common.config import KvrelayConfig, TlsConfig, WebSocketConfig, lo
 from services.common.errors import ConfigError
 from services.common.logs import configure_logging
 from services.common.manifest import load_verified_manifest
+from services.common.process_metrics import ConnectionsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         lifespan="on",
         limit_concurrency=config.server.max_connections,  # past it: a 503 at once, no work done
         **websocket_settings(config.responses.websocket),
+    )
+    listeners = {"http": options.port, "grpc": options.grpc_port, "metrics": config.server.metrics_port}
+    app.state.codec.metrics.registry.register(
+        ConnectionsCollector({name: port for name, port in listeners.items() if port})
     )
     if config.server.metrics_port is not None:  # its own port: the API port answers /metrics with 404
         start_http_server(

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.process_metrics import register_process_metrics
 from services.router.router_service import RouterService
 
 
@@ -89,6 +90,7 @@ class RouterCollector(Collector):
 
 def serve_metrics(service: RouterService, host: str, port: int) -> CollectorRegistry:
     registry = CollectorRegistry()
+    register_process_metrics(registry)
     registry.register(RouterCollector(service))
     start_http_server(port, addr=host, registry=registry)
     return registry

@@ -9,13 +9,15 @@ Every series carries the worker's `role` and `worker` name.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.process_metrics import register_process_metrics
 from services.engine.async_engine import AsyncEngine
+from services.engine.loading.device import MemoryProbe
 from services.kvcache.tier_set import FETCH_BUCKETS, TierReport
 from services.worker.counters import TransferCounters
 
@@ -26,6 +28,7 @@ QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 class WorkerMetrics:
     def __init__(self, role: str, name: str) -> None:
         self.registry = CollectorRegistry()
+        register_process_metrics(self.registry)
         self.labels = {"role": role, "worker": name}
         self.step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
@@ -77,8 +80,38 @@ class WorkerMetrics:
         counters.on_transfer = self.observe_transfer
         self.registry.register(_EngineCollector(engine, counters, self.labels, weight_bytes))
 
+    def watch_device(self, probe: MemoryProbe, kv_pool_bytes: Callable[[], int]) -> None:
+        """Export a GPU's memory as this process sees it (`probe`), with the KV pool's share."""
+        self.registry.register(_DeviceMemoryCollector(probe, kv_pool_bytes, self.labels))
+
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _DeviceMemoryCollector(Collector):
+    """`kvrelay_gpu_memory_bytes{kind}`: allocated (live tensors), reserved (the caching allocator's hold),
+    free and total (the device's, every process's use counted), kv_pool (the KV cache's blocks)."""
+
+    def __init__(self, probe: MemoryProbe, kv_pool_bytes: Callable[[], int], labels: dict[str, str]) -> None:
+        self.probe = probe
+        self.kv_pool_bytes = kv_pool_bytes
+        self.names = list(labels)
+        self.values = list(labels.values())
+
+    def collect(self) -> Iterator[Metric]:
+        free, total = self.probe.mem_get_info()
+        family = GaugeMetricFamily(
+            "kvrelay_gpu_memory_bytes",
+            "GPU memory by kind: allocated, reserved (this process's allocator), free and total (the "
+            "device's), kv_pool (the KV cache's blocks).",
+            labels=[*self.names, "kind"],
+        )
+        for kind, value in (
+            ("allocated", self.probe.memory_allocated()), ("reserved", self.probe.memory_reserved()),
+            ("free", free), ("total", total), ("kv_pool", self.kv_pool_bytes()),
+        ):  # fmt: skip
+            family.add_metric([*self.values, kind], value)
+        yield family
 
 
 class _EngineCollector(Collector):

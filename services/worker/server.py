@@ -34,6 +34,7 @@ from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineCore
 from services.engine.kv_export import dtype_name
+from services.engine.loading.device import CudaMemoryProbe
 from services.engine.loading.factory import build_core
 from services.kvtransfer.chunks import Layout
 from services.kvtransfer.ipc_transport import IpcReceiver, IpcSender, ipc_domain
@@ -155,10 +156,15 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     info = build_info(core, config, options.role, options.name)
     counters = TransferCounters()
     metrics.watch(engine, counters, weight_bytes=core.served.weight_bytes)
+    layout = kv_layout(core)
+    if core.device.type == "cuda":
+        bytes_per_block = layout.bytes_per_token * core.block_size
+        metrics.watch_device(
+            CudaMemoryProbe(core.device), lambda: engine.stats().kv_blocks.num_total * bytes_per_block
+        )
     if options.metrics_port is not None:
         metrics.serve(options.host, options.metrics_port)
     senders, receivers = _transports(config.disaggregation, core.device)
-    layout = kv_layout(core)
     info.kv_bytes_per_token = layout.bytes_per_token
     info.ipc_domain = ipc_domain(core.device)
     remote = None

@@ -34,6 +34,7 @@ from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_
 from services.codec.text.tokenizer import Tokenizer
 from services.common.cache_redis import start_queue_redis, stop_cache_redis
 from services.common.config import KvrelayConfig
+from services.common.process_metrics import ConnectionsCollector
 from services.engine.async_engine import AsyncEngine
 from services.engine.core import EngineStats
 from services.engine.scheduling.block_pool import BlockPoolStats
@@ -45,6 +46,7 @@ from services.router.tier_index import TierIndex
 from services.worker.counters import TransferCounters
 from services.worker.metrics import WorkerMetrics
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, scripted, serve_in_thread
+from tests.engine_fakes import StubGpu
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,6 +179,11 @@ def test_the_dashboard_covers_what_the_issue_asks_for() -> None:
         "kvrelay_prefix_cache_hit_tokens_total",
         "kvrelay_requests_total",
         "kvrelay_admission_rejections_total",
+        "kvrelay_process_resident_memory_bytes",
+        "kvrelay_process_open_fds",
+        "kvrelay_process_threads",
+        "kvrelay_connections",
+        "kvrelay_gpu_memory_bytes",
     ):
         assert needed in queries, needed
     for quantile in ("0.5", "0.9", "0.99"):
@@ -219,6 +226,7 @@ def exported(model_dir: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.Tem
     exported.add(scrape_codec_with_a_queue(model_dir, tokenizer, tmp_path_factory.mktemp("queue")))
     exported.add(scrape_worker())
     exported.add(scrape_router())
+    exported.add(scrape_connections())
     return exported
 
 
@@ -400,7 +408,15 @@ def scrape_worker() -> str:
     counters = TransferCounters(bytes_total=4096, remote_prefills_total=2, fallbacks_total=1)
     metrics.watch(cast(AsyncEngine, StubEngine()), counters, weight_bytes=365_000_000)
     metrics.observe_step(0.02, num_tokens=64, queue_times=[0.01], encoder_times=[0.004])
+    metrics.watch_device(StubGpu(), lambda: 50 << 30)  # as a GPU worker does
     return generate_latest(metrics.registry).decode()
+
+
+def scrape_connections() -> str:
+    """A codec process's connection gauge (registered by `kvrelay codec` for its listeners)."""
+    registry = CollectorRegistry()
+    registry.register(ConnectionsCollector({"http": 8000, "grpc": 50051}))
+    return generate_latest(registry).decode()
 
 
 def scrape_router() -> str:
