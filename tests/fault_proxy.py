@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 
-PASS, SLOW, SILENT, CUT = "pass", "slow", "silent", "cut"
+PASS, SLOW, SILENT, CUT, BLACKHOLE = "pass", "slow", "silent", "cut", "blackhole"
 
 
 class FaultProxy:
     """Listens on 127.0.0.1:`port` and forwards to 127.0.0.1:`upstream_port`. `mode` applies to every
     connection, open or new, from the next chunk on: PASS forwards; SLOW holds each request `delay_s`
     before forwarding it (a slow link or server); SILENT swallows requests (a server that accepts and never
-    answers); CUT forwards a reply's first chunk, then closes both ends (a server stopped mid-reply)."""
+    answers); CUT forwards a reply's first chunk, then closes both ends (a server stopped mid-reply);
+    BLACKHOLE drops everything both ways and closes nothing (a network partition: no FIN, no RST).
+    `reset()` ends every connection with a TCP RST (a peer's host gone, a firewall rejecting)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -41,7 +44,7 @@ class FaultProxy:
     def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
         try:
             while chunk := client.recv(65536):
-                if self.mode == SILENT:
+                if self.mode in (SILENT, BLACKHOLE):
                     continue
                 if self.mode == SLOW:
                     time.sleep(self.delay_s)  # the fault itself: this request is late
@@ -53,12 +56,23 @@ class FaultProxy:
     def _replies(self, upstream: socket.socket, client: socket.socket) -> None:
         try:
             while chunk := upstream.recv(65536):
+                if self.mode == BLACKHOLE:
+                    continue
                 client.sendall(chunk)
                 if self.mode == CUT:
                     break
         except OSError:
             pass
         _close(client, upstream)
+
+    def reset(self) -> None:
+        """End every open connection with a RST (SO_LINGER 0), both ends; new ones are still accepted."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
 
     def close(self) -> None:
         self._listener.close()

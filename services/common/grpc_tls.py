@@ -22,6 +22,46 @@ from services.common.errors import ConfigError
 
 ChannelOptions = Sequence[tuple[str, int | str]]
 
+# Keepalive on the internal hops: an idle or busy channel pings its peer every KEEPALIVE_TIME_MS and
+# gives it KEEPALIVE_TIMEOUT_MS to answer, so a peer gone silent (a partition, a frozen process) is found in
+# seconds and its calls fail UNAVAILABLE (the router then ejects and retries), not at the kernel's TCP
+# timeout. The servers accept those pings, calls or none, and never answer them with GOAWAY
+# too_many_pings.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def keepalive_options(
+    time_ms: int = KEEPALIVE_TIME_MS, timeout_ms: int = KEEPALIVE_TIMEOUT_MS
+) -> list[tuple[str, int | str]]:
+    """A client channel's keepalive: ping every `time_ms`, with or without calls, and close the transport
+    (its calls fail UNAVAILABLE) when a ping is not answered within `timeout_ms` (`ping_timeout_ms`:
+    gRPC's keepalive timeout alone does not end a transport whose peer went silent)."""
+    return [
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_time_between_pings_ms", time_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    ]
+
+
+def server_options(
+    time_ms: int = KEEPALIVE_TIME_MS, timeout_ms: int = KEEPALIVE_TIMEOUT_MS
+) -> list[tuple[str, int | str]]:
+    """An internal server's keepalive: it pings idle clients too, and takes their pings (every
+    `time_ms` at most, calls or none) without ever closing for too_many_pings."""
+    return [
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", time_ms // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.min_time_between_pings_ms", time_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    ]
+
 
 def is_enabled(tls: TlsConfig) -> bool:
     files = (tls.cert_file, tls.key_file, tls.ca_file)
@@ -69,7 +109,9 @@ def client_options(tls: TlsConfig, options: ChannelOptions = ()) -> list[tuple[s
 
 
 def channel(address: str, tls: TlsConfig, options: ChannelOptions = ()) -> grpc.aio.Channel:
-    """An async channel to an internal service, presenting our certificate when TLS is on."""
+    """An async channel to an internal service, presenting our certificate when TLS is on, with keepalive
+    (`keepalive_options`; an option given in `options` wins)."""
+    merged = list({**dict(keepalive_options()), **dict(options)}.items())
     if not is_enabled(tls):
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, sync_credentials(tls), options=client_options(tls, options))
+        return grpc.aio.insecure_channel(address, options=merged)
+    return grpc.aio.secure_channel(address, sync_credentials(tls), options=client_options(tls, merged))

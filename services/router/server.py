@@ -19,7 +19,7 @@ from services.common import tracing
 from services.common.config import DisaggregationConfig, RouterConfig, TlsConfig, TracingConfig
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_server import drain, stop_on_signals
-from services.common.grpc_tls import add_port
+from services.common.grpc_tls import add_port, server_options
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from services.router.discovery import Discovery, StaticDiscovery
 from services.router.metrics import serve_metrics
@@ -60,7 +60,7 @@ async def _serve(options: RouterOptions) -> None:
     if options.metrics_port is not None:
         serve_metrics(service, options.host, options.metrics_port)
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
+    server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)], options=server_options())
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     worker_pb2_grpc.add_RouterServicer_to_server(RouterStatusService(replicas), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

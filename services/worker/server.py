@@ -28,7 +28,7 @@ from services.common.config import DisaggregationConfig, KvrelayConfig, encoder_
 from services.common.errors import ConfigError
 from services.common.grpc_auth import InternalTokenInterceptor, TokenSource
 from services.common.grpc_server import drain, stop_on_signals
-from services.common.grpc_tls import add_port
+from services.common.grpc_tls import add_port, server_options
 from services.common.sampling import SamplingParams
 from services.decode.remote_prefill import RemotePrefill
 from services.engine.async_engine import AsyncEngine
@@ -185,7 +185,7 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
     in_flight: set[str] = set()  # request IDs the engine runs now, across the Worker and Prefill services
     service = WorkerService(engine, info, counters, remote, in_flight)
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)])
+    server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)], options=server_options())
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     if options.role == "prefill":
         prefill = PrefillService(engine, info.model_fingerprint, layout, counters, senders, in_flight)
