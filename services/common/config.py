@@ -55,6 +55,9 @@ class ModelConfig(_Section):
 
 class EngineConfig(_Section):
     block_size: int = Field(default=16, ge=1, le=256)
+    # Requests waiting for a first step on one worker; past it a new request is refused
+    # (RESOURCE_EXHAUSTED) and the router tries another replica (a 503 when every replica is full).
+    max_waiting_requests: int = Field(default=256, ge=1)
     kv_cache_memory_mb: int = Field(default=512, gt=0)
     # A step's token budget; unset: 256 on a CPU, 2048 on a GPU (services/engine/loading/device.py).
     max_num_batched_tokens: int | None = Field(default=None, gt=0)

@@ -111,6 +111,10 @@ class DuplicateRequestError(KvrelayError):
     """A request with this ID is already in the engine."""
 
 
+class WorkerBusyError(KvrelayError):
+    """The worker's waiting queue is at `engine.max_waiting_requests`: another replica should take it."""
+
+
 class RequestNotFoundError(KvrelayError):
     """No request with this ID is known."""
 

@@ -6,6 +6,7 @@ of kvrelay's errors to gRPC status codes, and the shutdown: stop on SIGTERM or S
 | InvalidRequestError and its subclasses     | INVALID_ARGUMENT |
 | DuplicateRequestError                      | ALREADY_EXISTS   |
 | EngineDeadError, and the caller's `unavailable` kinds (a KV transfer fault) | UNAVAILABLE |
+| WorkerBusyError (a worker's waiting queue is full)  | RESOURCE_EXHAUSTED |
 
 Draining: health checks answer NOT_SERVING at once (load balancers and the router stop sending), calls in
 flight get `grace_seconds` to finish, then the server stops.
@@ -20,12 +21,18 @@ from typing import NoReturn
 import grpc
 from grpc_health.v1 import health
 
-from services.common.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError
+from services.common.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidRequestError,
+    WorkerBusyError,
+)
 
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (WorkerBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 

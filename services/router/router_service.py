@@ -276,12 +276,13 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         tried: set[str] = set()
         failure: tuple[grpc.StatusCode, str] | None = None
+        busy: tuple[grpc.StatusCode, str] | None = None  # the last full replica's refusal
         salt = request_salt(bytes(request.cache_salt), request.encoder_token_ids)
         hashes, block_size = self.replicas.prompt_block_hashes(request.prompt_token_ids, salt)
         while failure is None:
             route = self.route(request, tried, hashes, block_size)
             if route is None:
-                failure = (grpc.StatusCode.UNAVAILABLE, "no ready worker")
+                failure = busy or (grpc.StatusCode.UNAVAILABLE, "no ready worker")
                 break
             tried.add(route.decode.name)
             _trace_route(span, route, len(tried))
@@ -309,6 +310,12 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                         "retrying on another replica",
                         extra={"request_id": request_id, "replica": route.decode.name},
                     )
+                    continue
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent_any:
+                    # Its waiting queue is full: healthy, only busy. Another replica, no ejection; when
+                    # every one is full the refusal reaches the codec (a 503 with Retry-After).
+                    self.num_retries += 1
+                    busy = (exc.code(), exc.details() or exc.code().name)
                     continue
                 failure = (exc.code(), exc.details() or exc.code().name)
             finally:

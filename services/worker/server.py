@@ -183,7 +183,7 @@ async def _serve(config: KvrelayConfig, options: WorkerOptions) -> None:
             "structured output unavailable; grammar requests are refused", extra={"reason": unavailable}
         )
     in_flight: set[str] = set()  # request IDs the engine runs now, across the Worker and Prefill services
-    service = WorkerService(engine, info, counters, remote, in_flight)
+    service = WorkerService(engine, info, counters, remote, in_flight, config.engine.max_waiting_requests)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(interceptors=[InternalTokenInterceptor(tokens)], options=server_options())
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)

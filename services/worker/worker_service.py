@@ -16,7 +16,12 @@ import grpc
 
 from services.common import tracing
 from services.common.engine_input import check_unique
-from services.common.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError
+from services.common.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidRequestError,
+    WorkerBusyError,
+)
 from services.common.grpc_auth import request_id_of
 from services.common.grpc_server import abort_for
 from services.common.proto_convert import EngineInput, engine_input_from_proto
@@ -40,8 +45,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         counters: TransferCounters | None = None,
         remote: RemotePrefill | None = None,
         in_flight: set[str] | None = None,
+        max_waiting: int | None = None,
     ) -> None:
         self.engine = engine
+        self.max_waiting = max_waiting  # engine.max_waiting_requests: past it, RESOURCE_EXHAUSTED
         self.info = info
         self.counters = counters or TransferCounters()
         self.remote = remote  # None: this replica never pulls KV (a prefill replica)
@@ -56,12 +63,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Checks the request's values (INVALID_ARGUMENT) and refuses an ID already in flight in this
-        process (ALREADY_EXISTS) before the engine sees either: the running request keeps its stream."""
+        process (ALREADY_EXISTS) before the engine sees either: the running request keeps its stream. A
+        full waiting queue (engine.max_waiting_requests) refuses it RESOURCE_EXHAUSTED, which the router
+        takes to another replica."""
         self.requests_total += 1
         try:
             engine_input = engine_input_from_proto(request, self.vocab_size, request_id_of(context))
             check_unique(engine_input.request_id, self.in_flight)
-        except (InvalidRequestError, DuplicateRequestError) as exc:
+            self._check_room()
+        except (InvalidRequestError, DuplicateRequestError, WorkerBusyError) as exc:
             await abort_for(context, exc)
         request_id = engine_input.request_id
         self.in_flight.add(request_id)
@@ -72,6 +82,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     yield response
         finally:
             self.in_flight.discard(request_id)
+
+    def _check_room(self) -> None:
+        if self.max_waiting is None:
+            return
+        waiting = self.engine.stats().num_waiting
+        if waiting >= self.max_waiting:
+            raise WorkerBusyError(
+                f"{waiting} requests wait on this worker already (engine.max_waiting_requests "
+                f"{self.max_waiting}); another replica should take it"
+            )
 
     async def _generate(
         self, request: pb.GenerateRequest, engine_input: EngineInput, context: grpc.aio.ServicerContext

@@ -2,7 +2,7 @@
 (tiny random-weight model), round-robin so the fake is tried first: a replica that fails with UNAVAILABLE
 before any token is ejected and the request is served by the other, with the tokens the worker gives;
 once a token has gone out the error reaches the client and no other replica is tried (a retry would
-repeat tokens)."""
+repeat tokens). A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is passed over, not ejected."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class Router:
     proc: Proc
     stub: worker_pb2_grpc.WorkerStub
     metrics_port: int
+    address: str
 
     def retries(self) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
@@ -93,7 +94,7 @@ def router(worker: Worker, fake: FakeServer, tmp_path: Path) -> Iterator[Router]
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             wait_for(lambda: all_ready(channel, 2), "both replicas ready in the router")
-            yield Router(proc, stub, metrics_port)
+            yield Router(proc, stub, metrics_port, address)
     finally:
         proc.stop()
 
@@ -142,6 +143,22 @@ def test_a_replica_failing_before_the_first_token_is_retried_on_another(
     assert "retrying on another replica" in log
     ejected = [line for line in log.splitlines() if "replica ejected" in line]
     assert ejected and fake.address in ejected[0] and status.name in ejected[0]
+
+
+def test_a_replica_with_a_full_queue_is_passed_over_and_not_ejected(
+    worker: Worker, fake: FakeServer, router: Router
+) -> None:
+    expected = tokens(worker.stub.Generate(request("direct-busy"), metadata=MD, timeout=30))
+    fake.replica.script = GenerateScript(fail_after=0, fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    got = tokens(router.stub.Generate(request("busy"), metadata=MD, timeout=30))
+
+    assert got == expected
+    assert [c.request_id for c in fake.replica.generate_calls] == ["busy"]  # tried first: it was full
+    assert router.retries() == 1
+    assert "replica ejected" not in router.proc.log()  # busy is not broken
+    with grpc.insecure_channel(router.address) as channel:
+        assert all_ready(channel, 2)
 
 
 def test_once_a_token_went_out_the_error_reaches_the_client_and_nothing_is_retried(

@@ -33,6 +33,7 @@ UNAVAILABLE = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # every replica's waiting queue full: a 503 with Retry-After
 )
 
 
