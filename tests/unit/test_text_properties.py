@@ -42,6 +42,15 @@ from services.codec.text.tool_calls import (
 from tests.codec_fakes import MODEL_NAME, FakeBackend, identity_for, make_app, make_config, scripted
 
 SETTINGS = settings(max_examples=200, derandomize=True, deadline=None, database=None)
+
+
+def with_fixture(max_examples: int) -> settings:
+    """SETTINGS for a test that takes a pytest fixture (the same one for every example, as meant)."""
+    return settings(
+        SETTINGS, max_examples=max_examples, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+
+
 ALPHABET = "ab<>/_ \n{}\"'é😀"
 
 
@@ -94,13 +103,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 
 @pytest.mark.model
-@settings(
-    max_examples=150,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@with_fixture(150)
 @given(
     ids=st.lists(st.integers(min_value=17, max_value=49151), min_size=1, max_size=24),
     cuts=st.lists(st.integers(min_value=0, max_value=100), max_size=6),
@@ -208,13 +211,7 @@ async def client(model_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.mark.model
-@settings(
-    max_examples=120,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@with_fixture(120)
 @given(route=st.sampled_from(ROUTES), body=BODY, raw=st.one_of(st.none(), st.binary(max_size=40)))
 async def test_no_body_is_a_server_error(
     client: httpx.AsyncClient, route: str, body: Any, raw: bytes | None
