@@ -130,7 +130,7 @@ OUTPUT = st.lists(st.one_of(st.text(alphabet="ab <>/_\n{}", max_size=12), CALL),
 
 def calls_and_text(events: list[ParseEvent]) -> tuple[str, list[tuple[str, str]], dict[int, str]]:
     """The text, the calls (name, whole arguments) and each call's streamed arguments joined."""
-    text, calls, streamed = "", [], {}
+    text, calls, streamed = "", [], dict[int, str]()
     for event in events:
         if isinstance(event, TextPiece):
             text += event.text
