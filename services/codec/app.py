@@ -25,6 +25,7 @@ from services.codec.protocols import (
     openai_completions,
     openai_files,
     openai_responses_compact,
+    openapi,
 )
 from services.codec.protocols.openai_responses import install_responses
 from services.codec.protocols.openai_responses_ws import ResponsesWebSocketMiddleware, WebSocketHub
@@ -124,7 +125,7 @@ def create_app(
     install_responses(app, config.responses, background=background)
     app.include_router(openai_responses_compact.router)
     app.state.batches = batches
-    for module in (openai_files, openai_batches, anthropic_batches):
+    for module in (openai_files, openai_batches, anthropic_batches, openapi):
         app.include_router(module.router)
     upload_bytes = config.batches.max_file_bytes + UPLOAD_OVERHEAD_BYTES  # a file, or a batch's requests
     app.add_middleware(
