@@ -1,8 +1,9 @@
 """Fuzz a running codec's API from its own OpenAPI document (GET /openapi.json, services/codec/protocols/
-openapi.py): schemathesis generates request bodies for every operation (valid ones and every way to be
-invalid the schema allows), sends them, and this checks each answer: no 5xx, no request that outlives
---timeout (a hang), and an error body in the protocol's shape (`{"error": ...}`, or Anthropic's
-`{"type": "error", ...}` under /v1/messages).
+openapi.py): schemathesis generates request bodies for every operation, valid ones and ones that break the
+schema (its positive and negative modes), sends them, and this checks each answer: no 5xx, no request
+that outlives --timeout or drops its connection (a hang, a crash), no error event inside a 200 stream,
+and an error body in the protocol's shape (`{"error": ...}`, or Anthropic's `{"type": "error", ...}` under
+/v1/messages).
 
     python scripts/fuzz_api.py --url http://127.0.0.1:8000 --examples 200 --json fuzz.json
     python scripts/fuzz_api.py --url https://kvrelay.example.com --api-key "$KEY" --seed 7
@@ -26,6 +27,8 @@ from typing import Any
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from schemathesis.generation.modes import GenerationMode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,12 +81,12 @@ def _run_operation(
         max_examples=examples, deadline=None, database=None,
         suppress_health_check=list(HealthCheck), print_blob=True,
     )  # fmt: skip
-    @given(case=operation.as_strategy())
+    @given(case=st.one_of(*(operation.as_strategy(generation_mode=mode) for mode in GenerationMode)))
     def run(case: Any) -> None:
         try:
             response = case.call(base_url=url, headers=headers, timeout=timeout_s)
-        except requests.Timeout:
-            failures.append({"operation": name, "body": case.body, "problem": f"no answer in {timeout_s} s"})
+        except (requests.RequestException, TimeoutError) as exc:  # no answer in time, or a dropped one
+            failures.append({"operation": name, "body": case.body, "problem": f"{type(exc).__name__}: {exc}"})
             return
         statuses[response.status_code] += 1
         problem = _problem(operation.path, response)
@@ -99,12 +102,15 @@ def _run_operation(
     return statuses
 
 
-def _problem(path: str, response: requests.Response) -> str | None:
-    """What is wrong with an answer; None when it passes."""
-    if response.status_code >= 500 and response.status_code not in (503, 529):
+def _problem(path: str, response: Any) -> str | None:
+    """What is wrong with an answer; None when it passes. A 503 fails too: on a healthy stack under one
+    request at a time nothing is unavailable, so one means an input broke something."""
+    if getattr(response, "stream_cut_short", False):
+        return "a streamed answer still open at --timeout (a hang)"
+    if response.status_code >= 500:
         return "a server error"
     if response.status_code < 400:
-        return None
+        return _stream_error(response.text)
     try:
         body = response.json()
     except ValueError:
@@ -112,6 +118,14 @@ def _problem(path: str, response: requests.Response) -> str | None:
     anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
     shaped = isinstance(body, dict) and (body.get("type") == "error" if anthropic else "error" in body)
     return None if shaped else "an error body not in the protocol's shape"
+
+
+def _stream_error(text: str) -> str | None:
+    """An error event inside a 200 stream: the stack failed mid-answer."""
+    for line in text.splitlines():
+        if line.startswith("event: error") or line.startswith('data: {"error"'):
+            return "an error event inside a 200 stream"
+    return None
 
 
 if __name__ == "__main__":

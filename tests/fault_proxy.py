@@ -72,6 +72,9 @@ class FaultProxy:
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # wake the thread blocked reading it (SHUT_RD sends nothing), so the close below is the
+                # last reference and sends the RST at once
+                sock.shutdown(socket.SHUT_RD)
             sock.close()
 
     def close(self) -> None:

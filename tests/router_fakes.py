@@ -31,6 +31,7 @@ class GenerateScript:
     token_ids: list[int] = field(default_factory=lambda: [5, 6, 7])
     fail_after: int | None = None
     fail_with: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    fail_metadata: tuple[tuple[str, str], ...] = ()  # trailing metadata on the failure (a worker's busy mark)
     hold: threading.Event | None = None
     remote_last: pb.GenerateResponse = field(
         default_factory=lambda: pb.GenerateResponse(prefill_mode=pb.PREFILL_MODE_REMOTE)
@@ -71,6 +72,8 @@ class FakeReplica(worker_pb2_grpc.WorkerServicer):
             script.hold.wait(30)
         for i, token_id in enumerate(script.token_ids):
             if script.fail_after == i:
+                if script.fail_metadata:
+                    context.set_trailing_metadata(script.fail_metadata)
                 context.abort(script.fail_with, "fake replica failed")
             response = pb.GenerateResponse(token_ids=[token_id])
             if i == len(script.token_ids) - 1:

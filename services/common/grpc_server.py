@@ -28,6 +28,19 @@ from services.common.errors import (
     WorkerBusyError,
 )
 
+# Trailing metadata that marks a RESOURCE_EXHAUSTED as "this worker's waiting queue is full" (the router
+# then tries another replica; the codec answers 503), apart from gRPC's own RESOURCE_EXHAUSTED (a message
+# over its size limit), which is the request's fault.
+BUSY_KEY = "kvrelay-worker-busy"
+
+
+def is_busy(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether `exc` is a full waiting queue's refusal (WorkerBusyError, relayed by the router)."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    return any(key == BUSY_KEY for key, _ in exc.trailing_metadata() or ())
+
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
@@ -53,6 +66,8 @@ async def abort_for(
     status = status_of(exc, unavailable)
     if status is None:
         raise exc
+    if isinstance(exc, WorkerBusyError):
+        context.set_trailing_metadata(((BUSY_KEY, "1"),))
     await context.abort(status, str(exc))
     raise AssertionError("unreachable") from exc  # context.abort raises
 

@@ -42,7 +42,6 @@ def keepalive_options(
         ("grpc.keepalive_timeout_ms", timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_time_between_pings_ms", time_ms),
         ("grpc.http2.ping_timeout_ms", timeout_ms),
     ]
 
@@ -56,9 +55,9 @@ def server_options(
         ("grpc.keepalive_time_ms", time_ms),
         ("grpc.keepalive_timeout_ms", timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", time_ms // 2),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.http2.min_time_between_pings_ms", time_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", time_ms // 2),
+        ("grpc.http2.max_ping_strikes", 0),  # 0: no limit, never GOAWAY too_many_pings
+        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.ping_timeout_ms", timeout_ms),
     ]
 

@@ -30,7 +30,7 @@ from services.common.config import DisaggregationConfig, RouterConfig
 from services.common.engine_input import check_request_id, check_unique
 from services.common.errors import DuplicateRequestError, InvalidRequestError
 from services.common.grpc_auth import request_id_of
-from services.common.grpc_server import abort_for
+from services.common.grpc_server import BUSY_KEY, abort_for, is_busy
 from services.common.proto_convert import session_key_from_proto
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
@@ -311,7 +311,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                         extra={"request_id": request_id, "replica": route.decode.name},
                     )
                     continue
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent_any:
+                if is_busy(exc) and not sent_any:
                     # Its waiting queue is full: healthy, only busy. Another replica, no ejection; when
                     # every one is full the refusal reaches the codec (a 503 with Retry-After).
                     self.num_retries += 1
@@ -324,6 +324,8 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                 self._dispatched(route, -1)
                 call.cancel()
         tracing.fail(span, f"{failure[0].name}: {failure[1]}")
+        if failure is busy:  # every replica full: say so, for the codec's 503
+            context.set_trailing_metadata(((BUSY_KEY, "1"),))
         await context.abort(*failure)
 
     def _forwarded(self, request: pb.GenerateRequest, route: _Route) -> pb.GenerateRequest:

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from services.common import tracing
+from services.common import priority, tracing
 from services.common.engine_input import check_unique
 from services.common.errors import (
     DuplicateRequestError,
@@ -70,7 +70,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             engine_input = engine_input_from_proto(request, self.vocab_size, request_id_of(context))
             check_unique(engine_input.request_id, self.in_flight)
-            self._check_room()
+            self._check_room(engine_input.priority)
         except (InvalidRequestError, DuplicateRequestError, WorkerBusyError) as exc:
             await abort_for(context, exc)
         request_id = engine_input.request_id
@@ -83,10 +83,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             self.in_flight.discard(request_id)
 
-    def _check_room(self) -> None:
-        if self.max_waiting is None:
+    def _check_room(self, klass: int) -> None:
+        """Refuse (WorkerBusyError) past engine.max_waiting_requests: the engine's waiting requests, or
+        those this process took that have not started yet (the engine's count is a snapshot of its last
+        step, and a burst lands between two), whichever is more. The high class is never refused."""
+        if self.max_waiting is None or klass < priority.NORMAL:
             return
-        waiting = self.engine.stats().num_waiting
+        stats = self.engine.stats()
+        waiting = max(stats.num_waiting, len(self.in_flight) - stats.num_running)
         if waiting >= self.max_waiting:
             raise WorkerBusyError(
                 f"{waiting} requests wait on this worker already (engine.max_waiting_requests "

@@ -65,6 +65,7 @@ def test_fifty_generated_requests_per_operation_get_no_server_error(codec: str, 
          "--seed", "0", "--timeout", "60", "--json", str(report_path)],
         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
     )  # fmt: skip
+    assert report_path.exists(), done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(report_path.read_text())
     assert report["failures"] == [], done.stderr[-4000:]
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

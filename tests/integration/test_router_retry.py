@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.grpc_server import BUSY_KEY
 from services.common.manifest import load_verified_manifest
 from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
@@ -149,7 +150,9 @@ def test_a_replica_with_a_full_queue_is_passed_over_and_not_ejected(
     worker: Worker, fake: FakeServer, router: Router
 ) -> None:
     expected = tokens(worker.stub.Generate(request("direct-busy"), metadata=MD, timeout=30))
-    fake.replica.script = GenerateScript(fail_after=0, fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    fake.replica.script = GenerateScript(
+        fail_after=0, fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED, fail_metadata=((BUSY_KEY, "1"),)
+    )
 
     got = tokens(router.stub.Generate(request("busy"), metadata=MD, timeout=30))
 
@@ -159,6 +162,18 @@ def test_a_replica_with_a_full_queue_is_passed_over_and_not_ejected(
     assert "replica ejected" not in router.proc.log()  # busy is not broken
     with grpc.insecure_channel(router.address) as channel:
         assert all_ready(channel, 2)
+
+
+def test_grpcs_own_resource_exhausted_is_no_busy_mark_and_reaches_the_client(
+    worker: Worker, fake: FakeServer, router: Router
+) -> None:
+    """RESOURCE_EXHAUSTED without the busy mark (gRPC's own: a message over its size limit) is the
+    request's fault: not retried elsewhere."""
+    fake.replica.script = GenerateScript(fail_after=0, fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    with pytest.raises(grpc.RpcError) as refused:
+        tokens(router.stub.Generate(request("too-big"), metadata=MD, timeout=30))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert router.retries() == 0
 
 
 def test_once_a_token_went_out_the_error_reaches_the_client_and_nothing_is_retried(

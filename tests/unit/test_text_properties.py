@@ -119,13 +119,23 @@ def test_detokenized_deltas_join_into_the_decode(
 # -- tool calls and reasoning ----------------------------------------------------------------------------
 
 TOOLS = ToolSet((Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}}),))
-CALL = st.builds(
-    lambda city: (
-        f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps({"city": city})}}}</tool_call>'
+# An output: plain text (no marker can form from its characters) and calls, in any order.
+PARTS = st.lists(
+    st.one_of(
+        st.text(alphabet="ab <>/_\n{}", max_size=12).map(lambda text: ("text", text)),
+        st.text(alphabet="abc xyz", max_size=8).map(lambda city: ("call", city)),
     ),
-    st.text(alphabet="abc xyz", max_size=8),
+    max_size=5,
 )
-OUTPUT = st.lists(st.one_of(st.text(alphabet="ab <>/_\n{}", max_size=12), CALL), max_size=5).map("".join)
+
+
+def rendered(parts: list[tuple[str, str]]) -> str:
+    return "".join(
+        f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps({"city": value})}}}</tool_call>'
+        if kind == "call"
+        else value
+        for kind, value in parts
+    )
 
 
 def calls_and_text(events: list[ParseEvent]) -> tuple[str, list[tuple[str, str]], dict[int, str]]:
@@ -144,10 +154,15 @@ def calls_and_text(events: list[ParseEvent]) -> tuple[str, list[tuple[str, str]]
 
 
 @SETTINGS
-@given(output=OUTPUT, cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=10))
-def test_tool_calls_parse_the_same_whatever_the_split(output: str, cuts: list[int]) -> None:
+@given(parts=PARTS, cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=10))
+def test_tool_calls_parse_the_same_whatever_the_split(parts: list[tuple[str, str]], cuts: list[int]) -> None:
+    output = rendered(parts)
     whole = CallParser(HERMES, TOOLS)
     expected = calls_and_text(whole.push(output) + whole.finish())
+    cities = [value for kind, value in parts if kind == "call"]  # every call found, with its arguments
+    assert [(name, json.loads(arguments)) for name, arguments in expected[1]] == [
+        ("get_weather", {"city": city}) for city in cities
+    ]
     pieces = CallParser(HERMES, TOOLS)
     events: list[ParseEvent] = []
     for piece in split(output, cuts):

@@ -19,6 +19,7 @@ from services.codec.backend.protocol import (
 from services.common import grpc_tls, tracing
 from services.common.config import TlsConfig
 from services.common.grpc_auth import TokenSource
+from services.common.grpc_server import is_busy
 from services.common.proto_convert import (
     FINISH_FROM_PROTO,
     breakpoints_to_proto,
@@ -33,7 +34,6 @@ UNAVAILABLE = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,  # every replica's waiting queue full: a 503 with Retry-After
 )
 
 
@@ -87,7 +87,7 @@ class GrpcBackend:
             code, details = exc.code(), exc.details() or exc.code().name
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BackendRejectedError(details) from exc
-            if code in UNAVAILABLE and not started:
+            if (code in UNAVAILABLE or is_busy(exc)) and not started:  # busy: every replica's queue full
                 raise BackendUnavailableError(details) from exc
             raise BackendFailedError(details) from exc
         finally:
