@@ -127,6 +127,15 @@ def test_accepts_loopback_urls(url: str) -> None:
     assert require_loopback(url) == url.rstrip("/")
 
 
+def test_a_deployment_needs_allow_remote_and_a_key() -> None:
+    url = "https://kvrelay.example.com/"
+    with pytest.raises(SystemExit, match="no --api-key"):
+        require_loopback(url, allow_remote=True)
+    assert require_loopback(url, allow_remote=True, api_key="sk-test") == url.rstrip("/")
+    with pytest.raises(SystemExit, match="refusing --url"):
+        require_loopback("ftp://kvrelay.example.com/", allow_remote=True, api_key="sk-test")
+
+
 def test_cli_refusal_is_one_clear_line() -> None:
     done = bench("--url", "http://192.168.1.10:8000", timeout=60)
     assert done.returncode != 0 and done.stdout == ""

@@ -1,4 +1,5 @@
-"""`kvrelay bench serve`: a load generator for any OpenAI- or Anthropic-compatible server on loopback.
+"""`kvrelay bench serve`: a load generator for any OpenAI- or Anthropic-compatible server on loopback (or,
+with --allow-remote and an API key, a deployment).
 
 Drives `--url` (ours or a peer's, 127.0.0.0/8, localhost or [::1] only) with a seeded workload
 (workload.py) over streaming HTTP in one or all four protocols (clients.py), under Poisson, bursty or
@@ -42,7 +43,12 @@ class NotLoopbackError(SystemExit):
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="load generator for an OpenAI/Anthropic-compatible server on loopback")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="loopback only")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="loopback, unless --allow-remote")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="let --url name a deployment off this machine (load against it needs --api-key)",
+    )
     p.add_argument("--protocol", choices=[*PROTOCOLS, "mix"], default="openai-chat")
     p.add_argument("--workload", choices=WORKLOADS, default="mix")
     p.add_argument("--arrival", choices=ARRIVALS, default="poisson")
@@ -71,18 +77,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def require_loopback(url: str) -> str:
-    """`url` without a trailing slash if its host is a loopback address, else a clear refusal."""
+def require_loopback(url: str, *, allow_remote: bool = False, api_key: str | None = None) -> str:
+    """`url` without a trailing slash if its host is a loopback address (or any host, with `allow_remote`
+    and an API key: load against a deployment is an operator's explicit act), else a clear refusal."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
     try:
         loopback = host in LOOPBACK_NAMES or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
+    if parts.scheme in ("http", "https") and not loopback and allow_remote:
+        if not api_key:
+            raise NotLoopbackError(
+                f"kvrelay bench serve: refusing --url {url!r} with --allow-remote and no --api-key: a "
+                "deployment's load is sent as one of its tenants"
+            )
+        return url.rstrip("/")
     if parts.scheme not in ("http", "https") or not loopback:
         raise NotLoopbackError(
             f"kvrelay bench serve: refusing --url {url!r}: it only sends load to this machine's loopback "
-            "(http://127.0.0.0/8, http://localhost or http://[::1])"
+            "(http://127.0.0.0/8, http://localhost or http://[::1]); --allow-remote with --api-key for a "
+            "deployment"
         )
     return url.rstrip("/")
 
@@ -191,7 +206,7 @@ def _settle_line(run: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = require_loopback(args.url)
+    url = require_loopback(args.url, allow_remote=args.allow_remote, api_key=args.api_key)
     _positive(args)
     loads = _loads(args)
     try:
