@@ -2,7 +2,9 @@
 (tiny random-weight model), round-robin so the fake is tried first: a replica that fails with UNAVAILABLE
 before any token is ejected and the request is served by the other, with the tokens the worker gives;
 once a token has gone out the error reaches the client and no other replica is tried (a retry would
-repeat tokens). A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is passed over, not ejected."""
+repeat tokens). A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is passed over, not ejected. A
+replica cut off by a network partition (a proxy that drops every byte both ways and closes nothing) is found
+by the channel's keepalive, ejected, and the request served by the other."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.fault_proxy import BLACKHOLE, FaultProxy
 from tests.router_fakes import FakeReplica, FakeServer, GenerateScript, start_fake
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
 from tests.tiny_model import make_tiny_llama
@@ -81,10 +84,27 @@ def fake(worker: Worker) -> Iterator[FakeServer]:
 @pytest.fixture
 def router(worker: Worker, fake: FakeServer, tmp_path: Path) -> Iterator[Router]:
     """Round-robin over [fake, worker]: the first request tries the fake first."""
+    yield from start_router(fake.address, worker, tmp_path)
+
+
+@pytest.fixture
+def proxy(fake: FakeServer) -> Iterator[FaultProxy]:
+    made = FaultProxy(int(fake.address.rsplit(":", 1)[1]))
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def partitionable_router(worker: Worker, proxy: FaultProxy, tmp_path: Path) -> Iterator[Router]:
+    """Round-robin over [the fake behind a fault proxy, worker]."""
+    yield from start_router(f"127.0.0.1:{proxy.port}", worker, tmp_path)
+
+
+def start_router(first: str, worker: Worker, tmp_path: Path) -> Iterator[Router]:
     address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
     proc = Proc(
         [
-            *("router", "--port", address.split(":")[1], "--workers", f"{fake.address},{worker.address}"),
+            *("router", "--port", address.split(":")[1], "--workers", f"{first},{worker.address}"),
             *("--metrics-port", str(metrics_port)),
         ],
         stack_env(TOKEN, KVRELAY_ROUTER__POLICY="round_robin"),
@@ -162,6 +182,21 @@ def test_a_replica_with_a_full_queue_is_passed_over_and_not_ejected(
     assert "replica ejected" not in router.proc.log()  # busy is not broken
     with grpc.insecure_channel(router.address) as channel:
         assert all_ready(channel, 2)
+
+
+def test_a_partitioned_replica_is_found_by_keepalive_and_the_request_served_by_another(
+    worker: Worker, fake: FakeServer, proxy: FaultProxy, partitionable_router: Router
+) -> None:
+    router = partitionable_router
+    expected = tokens(worker.stub.Generate(request("direct-cut"), metadata=MD, timeout=30))
+    proxy.mode = BLACKHOLE  # the replica's link goes silent: no FIN, no RST, nothing answers
+
+    got = tokens(router.stub.Generate(request("cut-off"), metadata=MD, timeout=90))
+
+    assert got == expected  # served by the other replica, before any token went out
+    assert router.retries() >= 1
+    ejected = [line for line in router.proc.log().splitlines() if "replica ejected" in line]
+    assert ejected and str(proxy.port) in ejected[0]
 
 
 def test_grpcs_own_resource_exhausted_is_no_busy_mark_and_reaches_the_client(
