@@ -14,6 +14,7 @@ from services.bench.admission import command as admission
 from services.bench.routing import command as routing
 from services.bench.serve import command as serve
 from services.bench.serve import compare
+from services.bench.soak import command as soak
 from services.bench.transfer import command as transfer
 
 Handler = Callable[[argparse.Namespace], int]
@@ -31,6 +32,7 @@ SUBCOMMANDS = (
     threshold,
     kv_tiers,
     async_lane,
+    soak,
 )
 
 

@@ -327,3 +327,27 @@ def _transfer_load(ax: Any, result: dict[str, Any]) -> None:
     ax.set_title(
         f"{plan['short_tokens']}-token requests while {plan['long_tokens']}-token prompts arrive", fontsize=9
     )
+
+
+# -- bench soak ----------------------------------------------------------------------------------------
+
+
+def plot_soak(result: dict[str, Any], path: Path) -> None:
+    """RSS per process over the run (the warm-up's end marked), and the codec's client connections."""
+    plt = _pyplot()
+    series = result["series"]
+    minutes = [t / 60 for t in series["t_s"]]
+    fig, (rss_ax, conn_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    for name, samples in series["processes"].items():
+        rss_ax.plot(minutes, [None if s is None else s["rss"] / 2**20 for s in samples], label=name)
+    verdicts = result["verdict"]["processes"]
+    slopes = ", ".join(f"{n} {v.get('rss_slope_mb_per_10_min', 'n/a')}" for n, v in verdicts.items())
+    rss_ax.set_ylabel("RSS (MB)")
+    rss_ax.set_title(f"RSS slope after warm-up, MB per 10 min: {slopes}", fontsize=8)
+    rss_ax.legend(fontsize=8)
+    conn_ax.plot(minutes, [None if s is None else s["codec_client_connections"] for s in series["stack"]])
+    conn_ax.set_ylabel("codec connections")
+    conn_ax.set_xlabel("minutes")
+    for ax in (rss_ax, conn_ax):
+        ax.axvline(result["config"]["warmup_s"] / 60, color="grey", linestyle="--", linewidth=0.8)
+    _save(fig, path, 110)

@@ -16,7 +16,7 @@ from services.codec.lane.background import background_from_config
 from services.codec.lane.batches import batches_from_config
 from services.codec.lane.drainer import Drainer
 from services.codec.lane.metrics import BatchMetrics, refreshing
-from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from services.codec.middleware import BodyLimitMiddleware, RequestContextMiddleware, leak_bytes_from_env
 from services.codec.protocols import (
     anthropic_batches,
     anthropic_messages,
@@ -134,7 +134,7 @@ def create_app(
         larger={"/v1/files": upload_bytes, "/v1/messages/batches": upload_bytes} if batches else {},
     )
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
-    app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, leak_bytes=leak_bytes_from_env())
     # Outermost: each WebSocket turn comes back in through the whole HTTP stack above.
     hub = WebSocketHub(config.responses.websocket, config.server.max_connections, state.metrics)
     app.state.responses_ws = hub

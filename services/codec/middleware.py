@@ -11,6 +11,11 @@ failed, 499 client gone) and its `outcome`. Auth (services/codec/admission/auth.
 gets its line too. With tracing on, it also opens the request's root span (services/common/tracing.py),
 under which the codec's stage spans and the router's spans hang; probes and scrapes are not traced.
 
+Test only: with KVRELAY_TEST_LEAK_KB=N in the environment (`leak_bytes_from_env`), every finished
+request's stats are kept forever with N KB of freshly mapped memory beside them, a leak `kvrelay bench soak
+--leak-kb` turns on to show that its verdict flags one. It logs a warning at startup; never set it in a
+deployment.
+
 `BodyLimitMiddleware` refuses a body over the limit: at once from Content-Length, else while the body
 streams in (the read raises BodyTooLargeError, a 413), so an oversize body is never buffered whole.
 """
@@ -18,6 +23,8 @@ streams in (the read raises BodyTooLargeError, a 413), so an oversize body is ne
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import re
 import secrets
 import time
@@ -41,12 +48,32 @@ access_logger = logging.getLogger("kvrelay.access")
 REQUEST_ID_HEADER = "x-request-id"
 _SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes log at debug level
+LEAK_ENV = "KVRELAY_TEST_LEAK_KB"
+
+
+def leak_bytes_from_env() -> int:
+    """Bytes the test-only leak switch keeps per request (0: off; a bad value is off too)."""
+    raw = os.environ.get(LEAK_ENV, "")
+    kb = int(raw) if raw.isdigit() else 0
+    if kb:
+        logger.warning("%s=%d: every request's state is kept forever (a test-only leak)", LEAK_ENV, kb)
+    return kb * 1024
+
+
+def _fresh_pages(size: int) -> mmap.mmap:
+    """`size` bytes of memory the process did not hold before, written so that every page is resident: a
+    leak that always shows in RSS (malloc would first reuse pages the heap freed earlier)."""
+    pages = mmap.mmap(-1, size)
+    pages.write(b"\x5a" * size)
+    return pages
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: CodecMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: CodecMetrics, leak_bytes: int = 0) -> None:
         self.app = app
         self.metrics = metrics
+        self.leak_bytes = leak_bytes
+        self.leaked: list[tuple[RequestStats, mmap.mmap]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,6 +111,8 @@ class RequestContextMiddleware:
                 self.metrics.observe_request(stats, status)
                 _log_access(scope, stats, status)
                 _end_request_span(span, scope, stats, status)
+                if self.leak_bytes:
+                    self.leaked.append((stats, _fresh_pages(self.leak_bytes)))
 
 
 class BodyLimitMiddleware:

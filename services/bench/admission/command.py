@@ -37,10 +37,9 @@ from typing import Any
 
 import yaml
 
-from services.bench.admission.flood import FloodPlan, Readings, end_state, measure, settled
-from services.bench.spawn import UpSettings, UpStack, start_up_stack
+from services.bench.admission.flood import FloodPlan, measure, readings, settled, wait_settled
+from services.bench.spawn import UpSettings, start_up_stack
 from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
-from services.common.local_stack import INTERNAL_HOST
 
 SETTLE_S = 10.0  # connections close asynchronously once the clients are done
 TENANTS = ("flooder", "other")
@@ -96,21 +95,6 @@ def write_config(work: Path, args: argparse.Namespace) -> tuple[Path, dict[str, 
     return path, keys
 
 
-def _readings(stack: UpStack) -> Readings:
-    ports = stack.plan.ports
-    worker = f"{INTERNAL_HOST}:{ports.workers[0]}"
-    return Readings(stack.url, stack.services.pids()["codec"], ports.codec, worker, stack.token)
-
-
-def _settled_state(at: Readings) -> dict[str, Any]:
-    state = end_state(at)
-    deadline = time.monotonic() + SETTLE_S
-    while not settled(state) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        state = end_state(at)
-    return state
-
-
 def _config_echo(args: argparse.Namespace, plan: FloodPlan) -> dict[str, Any]:
     return {
         "quota_rpm": args.quota_rpm,
@@ -133,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         started = time.monotonic()
         result = asyncio.run(asyncio.wait_for(measure(stack.url, keys, plan), args.deadline_seconds))
-        result["end_state"] = _settled_state(_readings(stack))
+        result["end_state"] = wait_settled(readings(stack), SETTLE_S)
         result["seconds"] = round(time.monotonic() - started, 1)
         result["config"] = _config_echo(args, plan)
     finally:

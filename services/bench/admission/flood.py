@@ -18,7 +18,9 @@ import grpc
 import httpx
 import psutil
 
+from services.bench.spawn import UpStack
 from services.bench.stats import percentile
+from services.common.local_stack import INTERNAL_HOST
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 
@@ -192,3 +194,21 @@ def end_state(at: Readings) -> dict[str, Any]:
 
 def settled(state: dict[str, Any]) -> bool:
     return all(state[k] == 0 for k in state if k not in ("step_timeouts", "token_gaps"))
+
+
+def readings(stack: UpStack) -> Readings:
+    """Where `stack`'s end state is read (its first worker's)."""
+    ports = stack.plan.ports
+    worker = f"{INTERNAL_HOST}:{ports.workers[0]}"
+    return Readings(stack.url, stack.services.pids()["codec"], ports.codec, worker, stack.token)
+
+
+def wait_settled(at: Readings, within_s: float) -> dict[str, Any]:
+    """The end state once it is all zero, or as it is after `within_s` (connections close asynchronously
+    once the clients are done)."""
+    state = end_state(at)
+    deadline = time.monotonic() + within_s
+    while not settled(state) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = end_state(at)
+    return state
