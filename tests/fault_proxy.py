@@ -16,7 +16,8 @@ class FaultProxy:
     connection, open or new, from the next chunk on: PASS forwards; SLOW holds each request `delay_s`
     before forwarding it (a slow link or server); SILENT swallows requests (a server that accepts and never
     answers); CUT forwards a reply's first chunk, then closes both ends (a server stopped mid-reply);
-    BLACKHOLE drops everything both ways and closes nothing (a network partition: no FIN, no RST).
+    BLACKHOLE drops everything both ways and passes on no close (a network partition: no FIN, no RST reach
+    either side).
     `reset()` ends every connection with a TCP RST (a peer's host gone, a firewall rejecting)."""
 
     def __init__(self, upstream_port: int) -> None:
@@ -51,7 +52,15 @@ class FaultProxy:
                 upstream.sendall(chunk)
         except OSError:
             pass
-        _close(client, upstream)
+        self._closed(client, upstream)
+
+    def _closed(self, ended: socket.socket, other: socket.socket) -> None:
+        """One side ended: close both, unless partitioned (the other side must not see that FIN either:
+        it is left open until `reset` or `close`)."""
+        if self.mode == BLACKHOLE:
+            _close(ended)
+        else:
+            _close(ended, other)
 
     def _replies(self, upstream: socket.socket, client: socket.socket) -> None:
         try:
@@ -63,7 +72,10 @@ class FaultProxy:
                     break
         except OSError:
             pass
-        _close(client, upstream)
+        if self.mode == CUT:
+            _close(client, upstream)
+        else:
+            self._closed(upstream, client)
 
     def reset(self) -> None:
         """End every open connection with a RST (SO_LINGER 0), both ends; new ones are still accepted."""

@@ -53,6 +53,23 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     return path
 
 
+# Wider and deeper than the default: a 3000-token prefill or a few thousand decode steps take seconds on one
+# thread, long enough for a fault to land while they run.
+WIDE = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 4096,
+}
+
+
+def make_wide_tiny_llama(path: Path, **overrides: Any) -> Path:
+    """`make_tiny_llama` at the WIDE shape (`overrides` win)."""
+    return make_tiny_llama(path, **{**WIDE, **overrides})
+
+
 def _save_tiny(path: Path, model: Any, vocab_size: int) -> Path:
     model.save_pretrained(str(path))
     write_word_tokenizer(path, vocab_size)

@@ -1,6 +1,7 @@
 """`kvrelay bench serve` end to end against a real `kvrelay up` stack, at tiny sizes: the mixed workload in
 all four protocols (every protocol completes requests, percentiles in order, throughput above zero,
-plots written), then a cancellation burst after which the stack must settle. No timing is asserted.
+plots written), then a cancellation burst after which the stack must settle, and a two-step sweep whose
+report reads the stack's stages. No timing is asserted.
 Also: a --url off loopback is refused before anything is sent."""
 
 from __future__ import annotations
@@ -112,6 +113,27 @@ def test_cancel_burst_settles(stack: UpStack, tmp_path: Path) -> None:
     settle = run["settle"]
     assert settle["checked"] and settle["settled"], settle
     assert "settled in" in done.stdout
+
+
+def test_a_sweep_reads_every_stage_and_reports_where_it_breaks(stack: UpStack, tmp_path: Path) -> None:
+    """Closed loop at 1 then 6 clients: each load's stage depths come from the stack itself (the codec's
+    admission queue, the router's and the worker's waiting), and the report says where the SLO broke (an
+    SLO of 1 ms breaks at once) and which queue grew first, if any."""
+    out = tmp_path / "sweep.json"
+    args = ["--url", stack.url, "--workload", "qa", "--arrival", "closed", "--sweep", "1,6"]
+    done = bench(*args, "--num-requests", "12", "--max-tokens", "8", "--slo-ttft-ms", "1", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [run["load"] for run in result["runs"]] == ["1", "6"]
+    for run in result["runs"]:
+        stages = run["stages"]
+        assert stages and "codec admission" in stages and any("worker-0" in name for name in stages), stages
+        assert all(0 <= depth["mean"] <= depth["max"] for depth in stages.values())
+    report = result["sweep_report"]
+    assert report["stages_read"] is True
+    assert report["slo_breaks_at"]["load"] == "1" and "p90 TTFT" in report["slo_breaks_at"]["why"]
+    assert "latency breaks the SLO at load 1" in done.stdout
+    assert ("first queue to grow:" in done.stdout) == (report["first_queue"] is not None)
 
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com", "ftp://127.0.0.1/"])

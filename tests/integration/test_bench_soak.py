@@ -16,7 +16,8 @@ import pytest
 
 from tests.bench_helpers import no_process_holds_open, run_kvrelay
 
-pytestmark = pytest.mark.model
+# Alone on the machine: the stack keeps its default 2 s step timeout, and any server error fails the soak.
+pytestmark = [pytest.mark.model, pytest.mark.exclusive]
 
 END_STATE_KEYS = {
     "codec_running", "codec_queued", "quota_open_reservations", "quota_reserved_tokens",

@@ -5,6 +5,8 @@
   replica and the client sees a whole answer; P aborts the orphaned prefill (its peer's call is gone).
 - D dies mid-stream: the client's stream ends with an error (UNAVAILABLE), not a hang; P holds nothing;
   the router ejects D and new requests succeed on the others, still prefilled on P.
+- The link between D and P partitioned (a proxy that goes silent) while P prefills for D: the request
+  ends on its own, whole or with UNAVAILABLE, and neither side holds anything.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from services.common.proto_convert import sampling_to_proto
 from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
+from tests.fault_proxy import BLACKHOLE, FaultProxy
 from tests.stack_helpers import Proc, free_port, stack_env, wait_serving
-from tests.tiny_model import make_tiny_llama
+from tests.tiny_model import make_wide_tiny_llama
 
 TOKEN = "decode-death-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
@@ -135,15 +138,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Wide enough that a 3000-token prefill takes a while on one thread, small enough to load at once.
-    model = make_tiny_llama(
-        tmp_path_factory.mktemp("tiny"),
-        hidden_size=512,
-        intermediate_size=1536,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        max_position_embeddings=4096,
-    )
+    model = make_wide_tiny_llama(tmp_path_factory.mktemp("tiny"))
     running = Stack(model, tmp_path_factory.mktemp("decode-death-logs"))
     yield running
     running.stop()
@@ -167,6 +162,63 @@ def run(stub: worker_pb2_grpc.WorkerStub, rid: str, prompt: list[int], max_token
         tokens.extend(response.token_ids)
         last = response
     return tokens, last
+
+
+def test_a_partition_between_decode_and_prefill_ends_the_request_cleanly_and_frees_both(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A second router that reaches P through a proxy, so its decode replicas pull KV through it too; the
+    link cut silently (no FIN, no RST) while P computes a prompt for one of them. Before any token went
+    out, the request must end on its own in bounded time, whole (a retry, or the decode replica prefilling
+    locally) or with UNAVAILABLE, and neither side holds a request or a KV block: P's export, sent into
+    the silence or aborted once its keepalive finds the peer gone, is released."""
+    proxy = FaultProxy(int(stack.addresses["prefill"].split(":")[1]))
+    address = f"127.0.0.1:{free_port()}"
+    upstreams = ",".join([f"127.0.0.1:{proxy.port}", *(stack.addresses[name] for name in DECODES)])
+    env = stack_env(TOKEN, KVRELAY_DISAGGREGATION__POLICY="always")
+    router = Proc(
+        ["router", "--port", address.split(":")[1], "--workers", upstreams], env, tmp_path / "r.log"
+    )
+    channel = grpc.insecure_channel(address)
+    try:
+        wait_serving(address, router)
+        status = worker_pb2_grpc.RouterStub(channel)
+        stack.wait_until(
+            lambda: sum(r.ready for r in status.Replicas(pb.ReplicasRequest(), metadata=MD).replicas) == 4,
+            "the second router never saw P (through the proxy) and the decode replicas ready",
+        )
+        stack.wait_idle("prefill")
+        result: dict[str, tuple[list[int], pb.GenerateResponse] | grpc.RpcError] = {}
+
+        def client() -> None:
+            try:
+                result["r"] = run(worker_pb2_grpc.WorkerStub(channel), "cut-pd", prompt_of(3, 3000), 8)
+            except grpc.RpcError as exc:
+                result["r"] = exc
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        alive = stack.live_decodes()
+        stack.wait_until(
+            lambda: stack.load("prefill").running > 0 and stack.decode_running(alive) is not None,
+            "P never prefilled for a decode replica",
+        )
+        proxy.mode = BLACKHOLE
+        thread.join(120)
+        assert not thread.is_alive(), "the request hung past the partition"
+        outcome = result["r"]
+        if isinstance(outcome, grpc.RpcError):
+            assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
+        else:
+            tokens, last = outcome
+            assert len(tokens) == 8 and last.finish_reason == pb.FINISH_REASON_LENGTH
+        stack.wait_idle("prefill")  # P finished or aborted the prefill whose peer went silent: holds nothing
+        for name in alive:
+            stack.wait_idle(name)
+    finally:
+        proxy.close()
+        channel.close()
+        router.stop()
 
 
 def test_decode_dying_during_the_remote_prefill_is_retried_and_p_aborts_the_orphan(stack: Stack) -> None:

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -230,6 +231,70 @@ def test_a_killed_worker_is_restarted_and_the_stack_is_ready_again(stack: UpStac
     wait_until(lambda: is_ready(stack.url), stack, "not ready again", READY_TIMEOUT_S)
     wait_until(lambda: _completes(stack.url), stack, "no completion after the restart", 60)
     assert not is_alive(old_pid)
+
+
+def _stream_until_end(url: str, model: str, started: threading.Event, outcomes: list[str]) -> None:
+    """One streamed chat request; its outcome: done ([DONE] after content), error (an error event in the
+    protocol's shape, or a refusal before the stream), or broken (anything else: a cut, a non-JSON line)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}  # fmt: skip
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=90.0) as reply:
+            if reply.status_code != 200:
+                error = json.loads(reply.read()).get("error", {})
+                outcomes.append("error" if reply.status_code >= 500 and error.get("message") else "broken")
+                return
+            for line in reply.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    outcomes.append("done")
+                    return
+                event = json.loads(line[6:])
+                if "error" in event:
+                    outcomes.append("error" if event["error"].get("message") else "broken")
+                    return
+                started.set()
+        outcomes.append("broken")  # the stream ended with neither [DONE] nor an error event
+    except (httpx.HTTPError, ValueError) as exc:
+        outcomes.append(f"broken: {type(exc).__name__}")
+
+
+def test_the_router_killed_under_load_ends_streams_cleanly_and_the_stack_frees_everything(
+    stack: UpStack,
+) -> None:
+    """The router SIGKILLed while four streams run: each ends with an error event in OpenAI's shape (none
+    hangs, none is cut without one), `kvrelay up` restarts the router, new requests complete, and nothing
+    stays held: no running request and no active KV block anywhere, the codec's admission back to zero."""
+    model = httpx.get(f"{stack.url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+    old_pid = stack.children()["router"]
+    outcomes: list[str] = []
+    started = [threading.Event() for _ in range(4)]
+    clients = [
+        threading.Thread(target=_stream_until_end, args=(stack.url, model, s, outcomes)) for s in started
+    ]
+    for client in clients:
+        client.start()
+    for event in started:
+        assert event.wait(60), f"a stream never started:\n{stack.log()}"
+    os.kill(old_pid, signal.SIGKILL)
+    for client in clients:
+        client.join(90)
+    assert not any(c.is_alive() for c in clients), "a stream hung past the router's death"
+    assert sorted(outcomes) == ["error"] * 4, outcomes
+
+    wait_until(lambda: stack.children().get("router", old_pid) != old_pid, stack, "no new router", 30)
+    wait_until(lambda: _completes(stack.url), stack, "no completion after the router came back", 60)
+
+    def nothing_held() -> bool:
+        services = status_json(stack.url)["services"]
+        return all(int(s.get("running") or 0) == 0 for s in services) and all(
+            int((s.get("kv_blocks") or {}).get("active") or 0) == 0 for s in services
+        )
+
+    wait_until(nothing_held, stack, "a request or KV block still held", 30)
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=10.0).text
+    assert re.search(r"^kvrelay_admission_running 0\.0$", metrics, re.MULTILINE), "the codec still counts one"
 
 
 def _completes(url: str) -> bool:

@@ -9,7 +9,9 @@ table, `--json` and `--plot` PNGs (report.py).
 On a kvrelay stack it then checks the stack settles: no running request, no active KV block.
 
 `--sweep 0.5,1,2` runs the same workload once per load (rates, or concurrencies with `--arrival closed`),
-one after another, each with the same bounds, for the throughput-against-load plot.
+one after another, each with the same bounds, for the throughput-against-load plot, and reports where
+latency broke the SLO, where throughput stopped following the load and which stage's queue grew first,
+read from the stack's own /status and /metrics while each load ran (stages.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import httpx
 from services.bench.serve.clients import SendOptions
 from services.bench.serve.load import ARRIVALS, LoadPlan, Runner, check_settled
 from services.bench.serve.report import HEADER, load_plot_path, plot_cdfs, plot_load, table_rows
+from services.bench.serve.stages import StageSampler, report_lines, sweep_report
 from services.bench.serve.summary import Slo, run_summary
 from services.bench.serve.workload import PROTOCOLS, WORKLOADS, WorkloadPlan, build_jobs
 from services.bench.tables import format_table
@@ -167,8 +170,15 @@ async def _measure(args: argparse.Namespace, url: str, loads: list[float]) -> di
         jobs = build_jobs(workload, args.num_requests)
         for load in loads:
             runner = Runner(client, opts, _load_plan(args, load), keys)
-            records, wall = await runner.run(jobs, f"load {load:g}", not args.no_progress)
+            sampler, stop = StageSampler(client, auth), asyncio.Event()
+            sampling = asyncio.create_task(sampler.run(stop))
+            try:
+                records, wall = await runner.run(jobs, f"load {load:g}", not args.no_progress)
+            finally:
+                stop.set()
+                await sampling
             run = {"load": f"{load:g}", **run_summary(records, wall, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
+            run["stages"] = sampler.summary()
             run["settle"] = await check_settled(client, args.settle_timeout, auth)
             run["requests"] = [r.as_json() for r in records]
             result["runs"].append(run)
@@ -221,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(HEADER, table_rows(result)))
     for run_result in result["runs"]:
         print(_settle_line(run_result))
+    if len(result["runs"]) > 1:
+        result["sweep_report"] = sweep_report(result)
+        print("\n".join(report_lines(result["sweep_report"])))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
