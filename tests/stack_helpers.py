@@ -61,6 +61,24 @@ def stack_env(token: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def start_worker_proc(model: Path, logs: Path, name: str, env: dict[str, str]) -> tuple[Proc, str]:
+    """`kvrelay worker` on one thread at a free loopback port, logging to `<logs>/<name>.log` (not waited
+    on: `wait_serving` it); the process and its address."""
+    address = f"127.0.0.1:{free_port()}"
+    args = [
+        "worker",
+        "--model",
+        str(model),
+        "--port",
+        address.split(":")[1],
+        "--threads",
+        "1",
+        "--name",
+        name,
+    ]
+    return Proc(args, env, logs / f"{name}.log"), address
+
+
 def wait_serving(address: str, proc: Proc, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:

@@ -118,6 +118,10 @@ class SupervisedStack:
     def pids(self) -> dict[str, int]:
         return self._supervisor.pids()
 
+    def restarts(self) -> dict[str, int]:
+        """How many times the supervisor restarted each service since the stack started."""
+        return {name: n - 1 for name, n in self._supervisor.num_starts().items()}
+
     def log_path(self, name: str) -> Path:
         (spec,) = [s for s in self.specs if s.name == name]
         if spec.log_path is None:

@@ -335,7 +335,14 @@ class RouterConfig(_Section):
     policy: Literal["cost", "least_loaded", "round_robin"] = "cost"
     prefill_tokens_per_s: float = Field(default=1000.0, gt=0)  # a replica's prompt rate, for estimates
     per_running_seq_ms: float = Field(default=2.0, ge=0)  # what one more stream adds to a decode step
+    # Session affinity (docs/routing.md): local (consistent hashing, bounded by this router's own session
+    # counts: the tighter balance, for one router), shared (rendezvous hashing over the live replicas, bounded
+    # by their reported load: every router replica agrees; the chart's setting), or off.
+    affinity: Literal["local", "shared", "off"] = "local"
     affinity_load_factor: float = Field(default=1.25, ge=1.0)  # session affinity yields past this x mean
+    # Score candidates by the prompt prefix their cache holds (the prefix index from KV events); off, the
+    # cost policy sees no cache (to measure affinity alone).
+    prefix_aware: bool = True
     transfer_bytes_per_s: float = Field(default=1e9, gt=0)  # KV transfer rate until measured
     # Count a prompt's segments in the tiers below the pools (the shared tier: every replica's; host and
     # disk: their writer's) as one fetch away, at the fetch rate the workers measured (docs/routing.md).

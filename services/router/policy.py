@@ -12,9 +12,12 @@ there, plus what it would cost the streams already running there:
 and picks at random among the candidates within `slack` of the cheapest (bounded randomisation: equal
 replicas share the load instead of herding to one). `RoundRobin` and `LeastLoaded` stay for comparison.
 
-Session affinity (`AffinityRing`) places a new session by consistent hashing with bounded load (counted
-in sessions per replica) and keeps later requests of the session on that replica unless it is swamped
-at that moment, when the cost policy places the one request.
+Session affinity, two ways (`router.affinity`). `RendezvousAffinity` (`shared`, the chart's) ranks the
+live replicas for a session by rendezvous hashing and takes the first whose reported load is within the
+bound: a pure function of the session key, the live set and the load the replicas report, so every router
+replica computes the same home without talking to the others. `AffinityRing` (`local`) places a new
+session by consistent hashing with bounded load counted in the sessions this router has seen, and keeps it
+there (the default): tighter balance with one router, but two routers place a session each on their own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Candidate:
     cached_tokens: int = 0  # leading prompt tokens this replica holds in its prefix cache
     below_tokens: int = 0  # prompt tokens after those that the tiers below its pool hold for it
     below_s_per_token: float = 0.0  # what fetching one of them costs there (the workers' measured rate)
+    address: str = ""  # host:port: what shared affinity hashes (static names follow the --workers order)
 
     @property
     def load(self) -> int:
@@ -215,6 +219,41 @@ class AffinityRing:
         self._points = sorted(
             (_point(f"{name}#{v}"), name) for name in names for v in range(self.virtual_nodes)
         )
+
+
+OVERFLOW_SLACK = 4  # requests over the bound's mean share before a home is passed over
+
+
+@dataclass
+class RendezvousAffinity:
+    """Sessions homed by rendezvous (highest-random-weight) hashing over the live candidates, with a load
+    bound, agreed by every router replica without shared state.
+
+    Each candidate scores hash(session key, replica address): the same on every router whatever order
+    its replicas were listed in; the session's home is the highest score, so a replica joining or leaving
+    moves only the sessions it wins or held. A home whose reported load (running + waiting, from its own
+    load reports, which every router reads alike) is over load_factor x the mean + OVERFLOW_SLACK is
+    passed over for this request, to the next in the session's order, which is also the same on every
+    router; the session returns home once the load drops. The least loaded candidate is always within
+    the bound, so there is a choice whenever there is a key. Stateless: `now` is unused.
+    """
+
+    load_factor: float = 1.25
+
+    def choose(self, session_key: str, candidates: Sequence[Candidate], now: float = 0.0) -> Choice | None:
+        if not session_key or not candidates:
+            return None
+        ranked = sorted(
+            candidates,
+            key=lambda c: (_point(f"{session_key}\x00{c.address or c.name}"), c.address, c.name),
+            reverse=True,
+        )
+        reported = [c.running + c.waiting for c in candidates]
+        bound = self.load_factor * sum(reported) / len(reported) + OVERFLOW_SLACK
+        for rank, c in enumerate(ranked):
+            if c.running + c.waiting <= bound:
+                return Choice(c.name, "session_affinity" if rank == 0 else "session_overflow")
+        return None
 
 
 def _point(key: str) -> int:

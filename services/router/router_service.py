@@ -43,6 +43,7 @@ from services.router.policy import (
     CostPolicy,
     LeastLoaded,
     Policy,
+    RendezvousAffinity,
     RoundRobin,
     home_is_busy,
 )
@@ -64,6 +65,15 @@ def make_policy(config: RouterConfig, costs: CostModel) -> Policy:
     if config.policy == "least_loaded":
         return LeastLoaded()
     return CostPolicy(costs)
+
+
+def make_affinity(config: RouterConfig) -> RendezvousAffinity | AffinityRing | None:
+    """The session affinity `router.affinity` names (None: off)."""
+    if config.affinity == "shared":
+        return RendezvousAffinity(load_factor=config.affinity_load_factor)
+    if config.affinity == "local":
+        return AffinityRing(load_factor=config.affinity_load_factor)
+    return None
 
 
 @dataclass
@@ -93,7 +103,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         self.costs = CostModel(self.config.prefill_tokens_per_s, self.config.per_running_seq_ms / 1000)
         self.policy = make_policy(self.config, self.costs)
         self.prefill_policy = make_policy(self.config, self.costs)
-        self.affinity = AffinityRing(load_factor=self.config.affinity_load_factor)
+        self.affinity = make_affinity(self.config)
         self.transfer_bytes_per_s = self.config.transfer_bytes_per_s
         self.requests_total = 0
         self.num_retries = 0
@@ -120,7 +130,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
             if r.name in exclude:
                 continue
             load = r.load
-            cached = r.cached_tokens(block_hashes, block_size)
+            cached = r.cached_tokens(block_hashes, block_size) if self.config.prefix_aware else 0
             below, per_token = self._below(r, cacheable, cached, block_size, tail_ends)
             out[r.name] = (
                 r,
@@ -133,6 +143,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
                     cached,
                     below,
                     per_token,
+                    r.address,
                 ),
             )
         return out
@@ -177,7 +188,7 @@ class RouterService(worker_pb2_grpc.WorkerServicer):
         plain = [c for _, c in decodes.values()]
         affinity = (
             self.affinity.choose(request.session_key, plain, time.monotonic())
-            if self.config.policy == "cost"
+            if self.config.policy == "cost" and self.affinity is not None
             else None
         )
         if affinity is not None and home_is_busy(decodes[affinity.name][1], plain, self.costs, num_input):

@@ -128,9 +128,10 @@ def test_a_sweep_reads_every_stage_and_reports_where_it_breaks(stack: UpStack, t
     for run in result["runs"]:
         stages = run["stages"]
         assert stages and "codec admission" in stages and any("worker-0" in name for name in stages), stages
+        assert run["stage_sources"] == ["metrics", "status"]
         assert all(0 <= depth["mean"] <= depth["max"] for depth in stages.values())
     report = result["sweep_report"]
-    assert report["stages_read"] is True
+    assert report["stages_read"] == ["metrics", "status"]
     assert report["slo_breaks_at"]["load"] == "1" and "p90 TTFT" in report["slo_breaks_at"]["why"]
     assert "latency breaks the SLO at load 1" in done.stdout
     assert ("first queue to grow:" in done.stdout) == (report["first_queue"] is not None)

@@ -31,13 +31,21 @@ from services.common.sampling import SamplingParams
 from services.proto_gen.kvrelay.v1 import worker_pb2 as pb
 from services.proto_gen.kvrelay.v1 import worker_pb2_grpc
 from tests.fault_proxy import BLACKHOLE, PASS, FaultProxy
-from tests.stack_helpers import Proc, free_port, stack_env, wait_for, wait_idle, wait_serving
+from tests.stack_helpers import (
+    Proc,
+    free_port,
+    stack_env,
+    start_worker_proc,
+    wait_for,
+    wait_idle,
+    wait_serving,
+)
 from tests.tiny_model import make_wide_tiny_llama
 
 TOKEN = "faults-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 PROMPT = [5, 9, 17, 33, 2, 8]
-LONG = 4000  # tokens: far longer than keepalive needs to find a dead link (10 s + 5 s)
+LONG = 12_000  # tokens: far longer than keepalive needs to find a dead link (10 s + 5 s), on any CPU
 KEEPALIVE_BOUND_S = 40.0  # keepalive's 15 s, with room for a slow machine; the call's deadline is 120 s
 
 
@@ -66,25 +74,13 @@ class Service:
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Deep enough that LONG tokens take far longer on one thread than keepalive needs.
     return make_wide_tiny_llama(
-        tmp_path_factory.mktemp("tiny"), num_hidden_layers=8, max_position_embeddings=4160
+        tmp_path_factory.mktemp("tiny"), num_hidden_layers=8, max_position_embeddings=12_288
     )
 
 
 def start_worker(model: Path, logs: Path, name: str) -> Service:
-    env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="64")
-    address = f"127.0.0.1:{free_port()}"
-    args = [
-        "worker",
-        "--model",
-        str(model),
-        "--port",
-        address.split(":")[1],
-        "--threads",
-        "1",
-        "--name",
-        name,
-    ]
-    proc = Proc(args, env, logs / f"{name}.log")
+    env = stack_env(TOKEN, KVRELAY_MODEL__DTYPE="float32", KVRELAY_ENGINE__KV_CACHE_MEMORY_MB="128")
+    proc, address = start_worker_proc(model, logs, name, env)
     wait_serving(address, proc)
     return Service(proc, address, grpc.insecure_channel(address))
 

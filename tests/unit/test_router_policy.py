@@ -8,7 +8,16 @@ import random
 import pytest
 
 from services.router.disaggregation import TransferModel, decide
-from services.router.policy import AffinityRing, Candidate, CostModel, CostPolicy, LeastLoaded, RoundRobin
+from services.router.policy import (
+    AffinityRing,
+    Candidate,
+    Choice,
+    CostModel,
+    CostPolicy,
+    LeastLoaded,
+    RendezvousAffinity,
+    RoundRobin,
+)
 
 COSTS = CostModel(prefill_tokens_per_s=1000.0, per_running_seq_s=0.002, assumed_waiting_prompt_tokens=256)
 
@@ -108,6 +117,58 @@ def test_sessions_move_only_when_their_replica_leaves_and_idle_ones_are_forgotte
         assert moved.reason == ("session_affinity" if home.name == "a" else "session_placed")
     ring.choose("late", two, now=100.0)  # everyone else idle past 10 s
     assert list(ring._homes) == ["late"]
+
+
+def test_shared_affinity_is_the_same_on_every_router_and_spreads_sessions() -> None:
+    """Two routers (two instances, sessions seen in opposite orders) home every session alike."""
+    candidates = [Candidate("a"), Candidate("b"), Candidate("c")]
+    first, second = RendezvousAffinity(), RendezvousAffinity()
+    homes = {i: first.choose(f"session-{i}", candidates) for i in range(300)}
+    for i in reversed(range(300)):
+        again = second.choose(f"session-{i}", list(reversed(candidates)))
+        assert again is not None and again == homes[i] and again.reason == "session_affinity"
+    counts = collections.Counter(h.name for h in homes.values() if h is not None)
+    assert min(counts.values()) >= 70  # about 100 each: the hash spreads keys
+
+
+def test_shared_affinity_moves_only_the_sessions_of_a_replica_that_leaves_or_joins() -> None:
+    affinity = RendezvousAffinity()
+    three = [Candidate("a"), Candidate("b"), Candidate("c")]
+    before = {i: affinity.choose(f"s{i}", three) for i in range(200)}
+    two = [Candidate("a"), Candidate("b")]
+    for i, home in before.items():
+        now = affinity.choose(f"s{i}", two)
+        assert home is not None and now is not None
+        assert now.name == home.name or home.name == "c"  # only c's sessions moved
+    four = [*three, Candidate("d")]
+    for i, home in before.items():
+        now = affinity.choose(f"s{i}", four)
+        assert home is not None and now is not None and now.name in (home.name, "d")
+
+
+def test_shared_affinity_passes_an_overloaded_home_over_for_one_request() -> None:
+    affinity = RendezvousAffinity(load_factor=1.25)
+    idle = [Candidate("a"), Candidate("b")]
+    home = affinity.choose("s", idle)
+    assert home is not None
+    other = "b" if home.name == "a" else "a"
+    # 1.25 x mean 10 + 4 = 16.5: the home's 20 reported requests are over, the other's 0 are not
+    loaded = [Candidate(home.name, running=8, waiting=12), Candidate(other)]
+    assert affinity.choose("s", loaded) == Choice(other, "session_overflow")
+    assert affinity.choose("s", idle) == home  # back home once the load drops
+    assert affinity.choose("", idle) is None
+
+
+def test_shared_affinity_hashes_addresses_so_the_listing_order_does_not_matter() -> None:
+    """Static discovery names replicas by their place in --workers: two routers listing the same workers
+    in another order still agree, since the address is what is hashed."""
+    one = [Candidate("worker-0", address="10.0.0.1:50051"), Candidate("worker-1", address="10.0.0.2:50051")]
+    other = [Candidate("worker-0", address="10.0.0.2:50051"), Candidate("worker-1", address="10.0.0.1:50051")]
+    affinity = RendezvousAffinity()
+    for i in range(50):
+        a, b = affinity.choose(f"s{i}", one), affinity.choose(f"s{i}", other)
+        assert a is not None and b is not None
+        assert {c.name: c.address for c in one}[a.name] == {c.name: c.address for c in other}[b.name]
 
 
 TRANSFER = TransferModel(kv_bytes_per_token=46080, bytes_per_s=1e9)

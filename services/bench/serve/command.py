@@ -131,7 +131,7 @@ def _loads(args: argparse.Namespace) -> list[float]:
         raise SystemExit("kvrelay bench serve: --sweep takes comma-separated numbers") from None
     if not loads or len(loads) > MAX_SWEEP_POINTS or min(loads) <= 0:
         raise SystemExit(f"kvrelay bench serve: --sweep takes 1 to {MAX_SWEEP_POINTS} positive loads")
-    return loads
+    return sorted(loads)  # the report reads the loads as steps up
 
 
 def _load_plan(args: argparse.Namespace, load: float) -> LoadPlan:
@@ -178,7 +178,7 @@ async def _measure(args: argparse.Namespace, url: str, loads: list[float]) -> di
                 stop.set()
                 await sampling
             run = {"load": f"{load:g}", **run_summary(records, wall, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
-            run["stages"] = sampler.summary()
+            run["stages"], run["stage_sources"] = sampler.summary(), sorted(sampler.sources)
             run["settle"] = await check_settled(client, args.settle_timeout, auth)
             run["requests"] = [r.as_json() for r in records]
             result["runs"].append(run)

@@ -9,10 +9,12 @@ requests not yet placed, each worker's engine queue). On a server that is not kv
 `sweep_report` then names:
 - `slo_breaks_at`: the first load whose p90 TTFT or p90 TPOT is over the SLO (`--slo-*`);
 - `saturates_at`: the first load at which completed requests/s fall below SATURATION of what the load
-  offered (open loop: the rate; closed loop: the previous load's throughput scaled by the concurrency):
+  offered (`_rates`: measured from the run's own records, its drain tail and Poisson noise left out):
   past it, more load only queues;
 - `first_queue`: the stage whose mean depth first reached QUEUE_GROWN as the load stepped up (ties: the
-  deeper one), with every stage's first such load in order: the stage to scale out first.
+  deeper one), with every stage's first such load in order: the stage to scale out first;
+- `stages_read`: which sources answered ("metrics": the codec's queue; "status": the router's and
+  workers'), so a report that saw only the codec says so.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class StageSampler:
     def __init__(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
         self.client, self.headers = client, headers
         self.samples: list[dict[str, float]] = []
+        self.sources: set[str] = set()  # "metrics" (the codec's queue), "status" (router and workers)
 
     async def _get(self, path: str) -> httpx.Response | None:
         try:
@@ -68,6 +71,10 @@ class StageSampler:
         depths = stage_depths(
             document if isinstance(document, dict) else None, metrics.text if metrics else None
         )
+        if CODEC_QUEUE in depths:
+            self.sources.add("metrics")
+        if len(depths) > (CODEC_QUEUE in depths):
+            self.sources.add("status")
         if depths:
             self.samples.append(depths)
 
@@ -78,17 +85,20 @@ class StageSampler:
                 await asyncio.wait_for(stop.wait(), STAGE_POLL_S)
 
     def summary(self) -> dict[str, dict[str, float]] | None:
+        """Each stage's mean and max depth over the samples that read it (a failed read is no zero)."""
         if not self.samples:
             return None
         stages = sorted({name for sample in self.samples for name in sample})
         out = {}
         for name in stages:
-            values = [sample.get(name, 0.0) for sample in self.samples]
+            values = [sample[name] for sample in self.samples if name in sample]
             out[name] = {"mean": round(sum(values) / len(values), 3), "max": max(values)}
         return out
 
 
 def _over_slo(summary: dict[str, Any], slo: dict[str, float]) -> str | None:
+    if summary["ttft_ms"]["p90"] is None:
+        return "no request got a first token"
     for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")):
         p90 = summary[f"{key}_ms"]["p90"]
         if p90 is not None and p90 > slo[f"{key}_ms"]:
@@ -96,14 +106,45 @@ def _over_slo(summary: dict[str, Any], slo: dict[str, float]) -> str | None:
     return None
 
 
-def _offered(runs: list[dict[str, Any]], i: int, closed: bool) -> float | None:
-    load = float(runs[i]["load"])
-    if not closed:
-        return load
-    if i == 0:
-        return None  # a closed loop offers what its clients can send: known only against a lighter load
-    previous = runs[i - 1]
-    return previous["summary"]["requests_per_s"] * load / float(previous["load"])
+def _jobs(run: dict[str, Any]) -> list[tuple[float, float, bool]]:
+    """(start, end, whole) of each job in the run's records: a job arrives with its first turn and is done
+    when its last turn ends; whole if every turn ended ok (or as the client's own cancel)."""
+    jobs: dict[int, list[dict[str, Any]]] = {}
+    for record in run.get("requests") or []:
+        if record.get("start_s") is not None and record.get("job") is not None:
+            jobs.setdefault(record["job"], []).append(record)
+    out = []
+    for turns in jobs.values():
+        start = min(t["start_s"] for t in turns)
+        end = max(t["start_s"] + (t.get("e2e_s") or 0.0) for t in turns)
+        out.append((start, end, all(t.get("status") in ("ok", "cancelled") for t in turns)))
+    return out
+
+
+def _rates(runs: list[dict[str, Any]], i: int, closed: bool) -> tuple[float, float | None]:
+    """(served, offered) jobs/s of run `i`, the unit of `--rate` (a multi-turn job's follow-ups wait on
+    its replies, so requests/s would mix in the server's speed). From the run's records where the JSON
+    has them: offered is the job arrival rate the run achieved (Poisson noise and all); served the whole
+    jobs over the time from the first arrival to the last end, less the quickest job (the drain tail a
+    run that keeps up still has). Else the summary's requests/s against the nominal load. A closed loop
+    offers what its clients can send: the previous load's throughput scaled by the clients (nothing for
+    the first)."""
+    run = runs[i]
+    served, offered = run["summary"]["requests_per_s"], float(run["load"])
+    jobs = _jobs(run)
+    whole = [(start, end) for start, end, ok in jobs if ok]
+    if len(jobs) >= 2 and whole:
+        starts = sorted(start for start, _, _ in jobs)
+        span = max(end for _, end in whole) - starts[0] - min(end - start for start, end in whole)
+        served = len(whole) / span if span > 0 else served
+        if starts[-1] > starts[0]:
+            offered = (len(jobs) - 1) / (starts[-1] - starts[0])
+    if closed:
+        if i == 0:
+            return served, None
+        previous, _ = _rates(runs, i - 1, closed)
+        return served, previous * float(run["load"]) / float(runs[i - 1]["load"])
+    return served, offered
 
 
 def sweep_report(result: dict[str, Any]) -> dict[str, Any]:
@@ -115,12 +156,11 @@ def sweep_report(result: dict[str, Any]) -> dict[str, Any]:
         why = _over_slo(run["summary"], result["slo"])
         if why and report["slo_breaks_at"] is None:
             report["slo_breaks_at"] = {"load": run["load"], "why": why}
-        offered = _offered(runs, i, closed)
-        served = run["summary"]["requests_per_s"]
+        served, offered = _rates(runs, i, closed)
         if offered and served < SATURATION * offered and report["saturates_at"] is None:
             report["saturates_at"] = {
                 "load": run["load"],
-                "served_rps": served,
+                "served_rps": round(served, 3),
                 "offered_rps": round(offered, 3),
             }
     grown: list[tuple[int, float, str]] = []
@@ -135,7 +175,8 @@ def sweep_report(result: dict[str, Any]) -> dict[str, Any]:
         {"stage": name, "load": runs[i]["load"], "mean_waiting": -neg} for i, neg, name in grown
     ]
     report["first_queue"] = report["queues"][0] if grown else None
-    report["stages_read"] = any(run.get("stages") for run in runs)
+    sources = sorted({source for run in runs for source in run.get("stage_sources") or []})
+    report["stages_read"] = sources
     return report
 
 
@@ -148,12 +189,16 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     if sat:
         served, offered = sat["served_rps"], sat["offered_rps"]
         lines.append(
-            f"throughput saturates at load {sat['load']} ({served:.2f} of {offered:.2f} req/s offered)"
+            f"throughput saturates at load {sat['load']} ({served:.2f} of {offered:.2f} jobs/s offered)"
         )
     else:
         lines.append("throughput follows the load at every step")
     if not report["stages_read"]:
         lines.append("stage queues: not read (no kvrelay /status and /metrics at --url, or no admin key)")
+    elif "status" not in report["stages_read"]:
+        lines.append(
+            "stage queues: the codec's only (GET /status refused: the router's and workers' need admin)"
+        )
     elif first is None:
         lines.append(f"no stage's queue reached a mean of {QUEUE_GROWN} waiting")
     else:

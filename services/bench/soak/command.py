@@ -54,6 +54,7 @@ LEAKY = "codec-leaky"
 LEAKY_SHARE = 0.25  # of the requests, sent to the leaky codec
 SETTLE_S = 30.0
 MIN_CANCEL_SHARE = 0.10
+STORED_RESPONSES = 100
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +86,9 @@ def write_config(work: Path) -> tuple[Path, str]:
         "model": {"served_name": TENANT},
         "auth": {"keys_file": str(work / "keys.yaml")},
         "quotas": {"tenants": {TENANT: quota}},
+        # Stored Responses are a bounded cache: capped low, it fills during the warm-up and then evicts,
+        # so its growth to the (256 MB) default cap is not read as a leak.
+        "responses": {"max_per_tenant": STORED_RESPONSES},
     }
     path = work / "bench-soak.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -159,7 +163,11 @@ async def soak(
 
 
 def verdict(
-    args: argparse.Namespace, series: Series, outcomes: Outcomes, settled: dict[str, Any]
+    args: argparse.Namespace,
+    series: Series,
+    outcomes: Outcomes,
+    settled: dict[str, Any],
+    restarts: dict[str, int],
 ) -> dict[str, Any]:
     processes = {name: process_verdict(series, name, args.warmup) for name in series.processes}
     connections = connections_verdict(series, args.warmup)
@@ -171,6 +179,7 @@ def verdict(
         "no_server_errors": outcomes.total("server_error") == 0,
         "cancels_at_least_10_percent": cancel_share >= MIN_CANCEL_SHARE,
         "connections_flat": connections["ok"],
+        "no_process_restarted": not any(restarts.values()),
     }
     checks["processes_flat"] = all(p["ok"] for name, p in processes.items() if name != LEAKY)
     if args.leak_kb:
@@ -181,6 +190,7 @@ def verdict(
         "processes": processes,
         "connections": connections,
         "end_state": settled,
+        "restarts": restarts,
         "cancel_share": round(cancel_share, 3),
         "achieved_rate": round(total / args.duration, 2),
     }
@@ -225,12 +235,16 @@ def run(args: argparse.Namespace) -> int:
     stack, leaky_url = start_stack(args, config, logs)
     try:
         series, outcomes = asyncio.run(soak(args, stack, leaky_url, key))
+        restarts = stack.services.restarts()
         settled = wait_settled(readings(stack), SETTLE_S)
         if leaky_url:
             leaky = replace(readings(stack), url=leaky_url, codec_pid=stack.services.pids()[LEAKY],
                             codec_port=int(leaky_url.rsplit(":", 1)[1]))  # fmt: skip
+            codec_side = {
+                k: v for k, v in wait_settled(leaky, SETTLE_S).items() if not k.startswith("worker")
+            }
             settled |= {
-                f"{LEAKY}_{k}": v for k, v in wait_settled(leaky, SETTLE_S).items() if k.startswith("codec")
+                f"{LEAKY}_{k}": v for k, v in codec_side.items() if k not in ("step_timeouts", "token_gaps")
             }
     finally:
         stack.stop()
@@ -248,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         "traffic": outcomes.as_json(),
         "series": series.as_json(),
     }
-    result["verdict"] = verdict(args, series, outcomes, settled)
+    result["verdict"] = verdict(args, series, outcomes, settled, restarts)
     print(_summary(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,12 @@
 calls, structured output and cancels, sent at Poisson arrivals for a set time.
 
 Each request is one of KINDS, drawn with the weights there (cancels are 3 in 20: 15%, above the 10% a
-soak must hold). A cancel streams one of the four protocols and drops the connection at its first text
-event. Every request is counted by how it ended (`Outcomes`): `ok`, `cancelled`, `client_error` (a 4xx),
-`server_error` (a 5xx, an error event inside a 200 stream, a dropped connection or a timeout: anything
-the server should never do to a well-formed request). The client's own cancels are not errors.
+soak must hold). A cancel streams one of the four protocols and drops the connection at its first event
+(the codec sends it once the first token exists: the request is cancelled mid-decode). Every request is
+counted by how it ended (`Outcomes`): `ok` (a stream only once its protocol's terminal event came),
+`cancelled`, `client_error` (a 4xx), `server_error` (a 5xx, an error event inside a 200 stream, a stream
+that ends without its terminal event, a dropped connection or a timeout: anything the server should never
+do to a well-formed request). The client's own cancels are not errors.
 """
 
 from __future__ import annotations
@@ -134,15 +136,23 @@ def _headers(protocol: str, api_key: str | None) -> dict[str, str]:
     return out
 
 
-def _stream_error(line: str) -> bool:
-    """Whether one SSE data line is an error event (each protocol's own shape)."""
+TERMINAL_TYPES = ("response.completed", "response.incomplete", "message_stop")
+
+
+def _event(line: str) -> tuple[bool, bool]:
+    """(is an error, is the stream's terminal event) for one SSE data line, in each protocol's own shape:
+    chat and completions end with `[DONE]`, Responses with `response.completed` (or `.incomplete`),
+    Anthropic with `message_stop`."""
+    if line.strip() == "[DONE]":
+        return False, True
     try:
         data = json.loads(line)
     except ValueError:
-        return True
+        return True, False
     if not isinstance(data, dict):
-        return True
-    return "error" in data or data.get("type") in ("error", "response.failed")
+        return True, False
+    error = "error" in data or data.get("type") in ("error", "response.failed")
+    return error, data.get("type") in TERMINAL_TYPES
 
 
 async def send(client: httpx.AsyncClient, request: Request, api_key: str | None) -> tuple[str, str | None]:
@@ -159,13 +169,16 @@ async def send(client: httpx.AsyncClient, request: Request, api_key: str | None)
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 return _status_outcome(response.status_code), detail
             async for line in response.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() in ("", "[DONE]"):
+                if not line.startswith("data:") or not line[5:].strip():
                     continue
-                if _stream_error(line[5:]):
+                error, terminal = _event(line[5:])
+                if error:
                     return "server_error", line[5:200]
+                if terminal:
+                    return "ok", None
                 if request.cancel:
                     return "cancelled", None  # leaving the block closes the connection mid-stream
-            return "ok", None
+            return "server_error", "the stream ended without its terminal event"
     except httpx.HTTPError as exc:
         return "server_error", f"{type(exc).__name__}: {exc}"[:200]
 

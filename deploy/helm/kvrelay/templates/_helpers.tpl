@@ -48,18 +48,32 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* An image reference: "repository:tag", pinned as "repository:tag@sha256:..." when a digest is set
+     (the runtime pulls by the digest; the tag stays for people reading the manifest).
+     Call with (dict "reference" "repository:tag" "digest" DIGEST). */}}
+{{- define "kvrelay.pinned" -}}
+{{- if .digest }}
+{{- printf "%s@%s" .reference .digest }}
+{{- else }}
+{{- .reference }}
+{{- end }}
+{{- end }}
+
 {{- define "kvrelay.codecImage" -}}
-{{- printf "%s:%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.codec.repository)) (include "kvrelay.imageTag" .) }}
+{{- $reference := printf "%s:%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.codec.repository)) (include "kvrelay.imageTag" .) }}
+{{- include "kvrelay.pinned" (dict "reference" $reference "digest" .Values.image.codec.digest) }}
 {{- end }}
 
 {{- define "kvrelay.routerImage" -}}
-{{- printf "%s:%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.router.repository)) (include "kvrelay.imageTag" .) }}
+{{- $reference := printf "%s:%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.router.repository)) (include "kvrelay.imageTag" .) }}
+{{- include "kvrelay.pinned" (dict "reference" $reference "digest" .Values.image.router.digest) }}
 {{- end }}
 
-{{/* The worker image: the -cuda variant with GPUs, else -cpu. */}}
+{{/* The worker image: the -cuda variant with GPUs, else -cpu; image.worker.digest pins that variant. */}}
 {{- define "kvrelay.workerImage" -}}
 {{- $variant := ternary "cuda" "cpu" .Values.gpu.enabled }}
-{{- printf "%s:%s-%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.worker.repository)) (include "kvrelay.imageTag" .) $variant }}
+{{- $reference := printf "%s:%s-%s" (include "kvrelay.repository" (dict "root" . "repository" .Values.image.worker.repository)) (include "kvrelay.imageTag" .) $variant }}
+{{- include "kvrelay.pinned" (dict "reference" $reference "digest" .Values.image.worker.digest) }}
 {{- end }}
 
 {{/* Paths and names shared by templates ------------------------------------------------------ */}}
@@ -98,6 +112,8 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if .Values.model.servedName }}{{- $_ := set $model "served_name" .Values.model.servedName }}{{- end }}
 {{- $_ := set $cfg "model" (merge $model (default dict (get $cfg "model"))) }}
 {{- $_ := set $cfg "server" (merge (dict "host" "0.0.0.0" "port" (int .Values.codec.port)) (default dict (get $cfg "server"))) }}
+{{- /* Several router replicas: each must home a session where the others do (rendezvous hashing). */}}
+{{- $_ := set $cfg "router" (merge (default dict (get $cfg "router")) (dict "affinity" "shared")) }}
 {{- $auth := default dict (get $cfg "auth") }}
 {{- if .Values.auth.existingSecret }}
 {{- $_ := set $auth "keys_file" (printf "%s/%s" (include "kvrelay.keysDir" .) .Values.auth.key) }}

@@ -132,7 +132,7 @@ spec:
           type: RuntimeDefault
       containers:
         - name: redis
-          image: "{{ .image.repository }}:{{ .image.tag }}"
+          image: {{ include "kvrelay.pinned" (dict "reference" (printf "%s:%s" .image.repository .image.tag) "digest" .image.digest) | quote }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           command: ["redis-server"]
           # The kubelet expands $(REDIS_PASSWORD) from the env below.
