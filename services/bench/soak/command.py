@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import yaml
 
-from services.bench.admission.flood import Readings, end_state, readings, wait_settled
+from services.bench.admission.flood import Readings, end_state, readings, settled, wait_settled
 from services.bench.plots import plot_soak
 from services.bench.soak.samples import Series, connections_verdict, process_sample, process_verdict
 from services.bench.soak.traffic import REQUEST_TIMEOUT_S, Outcomes, Traffic, drive
@@ -166,16 +166,15 @@ def verdict(
     args: argparse.Namespace,
     series: Series,
     outcomes: Outcomes,
-    settled: dict[str, Any],
+    end: dict[str, Any],
     restarts: dict[str, int],
 ) -> dict[str, Any]:
     processes = {name: process_verdict(series, name, args.warmup) for name in series.processes}
     connections = connections_verdict(series, args.warmup)
     total = outcomes.total()
     cancel_share = outcomes.total("cancelled") / total if total else 0.0
-    end_clean = all(v == 0 for k, v in settled.items() if k != "step_timeouts")
     checks = {
-        "end_state_zero": end_clean,
+        "end_state_zero": settled(end),
         "no_server_errors": outcomes.total("server_error") == 0,
         "cancels_at_least_10_percent": cancel_share >= MIN_CANCEL_SHARE,
         "connections_flat": connections["ok"],
@@ -189,7 +188,7 @@ def verdict(
         "checks": checks,
         "processes": processes,
         "connections": connections,
-        "end_state": settled,
+        "end_state": end,
         "restarts": restarts,
         "cancel_share": round(cancel_share, 3),
         "achieved_rate": round(total / args.duration, 2),
@@ -236,19 +235,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         series, outcomes = asyncio.run(soak(args, stack, leaky_url, key))
         restarts = stack.services.restarts()
-        settled = wait_settled(readings(stack), SETTLE_S)
+        end = wait_settled(readings(stack), SETTLE_S)
         if leaky_url:
             leaky = replace(readings(stack), url=leaky_url, codec_pid=stack.services.pids()[LEAKY],
                             codec_port=int(leaky_url.rsplit(":", 1)[1]))  # fmt: skip
             codec_side = {
                 k: v for k, v in wait_settled(leaky, SETTLE_S).items() if not k.startswith("worker")
             }
-            settled |= {
+            end |= {
                 f"{LEAKY}_{k}": v for k, v in codec_side.items() if k not in ("step_timeouts", "token_gaps")
             }
     finally:
         stack.stop()
-    settled.pop("token_gaps", None)
+    end.pop("token_gaps", None)
     result = {
         "config": {
             "duration_s": args.duration,
@@ -262,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         "traffic": outcomes.as_json(),
         "series": series.as_json(),
     }
-    result["verdict"] = verdict(args, series, outcomes, settled, restarts)
+    result["verdict"] = verdict(args, series, outcomes, end, restarts)
     print(_summary(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
