@@ -204,13 +204,10 @@ def test_a_partition_between_decode_and_prefill_ends_the_request_cleanly_and_fre
             "P never prefilled for a decode replica",
         )
         proxy.mode = BLACKHOLE
-        cut_at = time.monotonic()
         thread.join(120)
         assert not thread.is_alive(), "the request hung past the partition"
-        # keepalive's 15 s, with room for a slow machine: well inside the call's 120 s deadline
-        assert time.monotonic() - cut_at < 45, "the request ended at its deadline, not by keepalive"
         outcome = result["r"]
-        if isinstance(outcome, grpc.RpcError):
+        if isinstance(outcome, grpc.RpcError):  # UNAVAILABLE from keepalive, not the call's DEADLINE_EXCEEDED
             assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
         else:
             tokens, last = outcome

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ TOKEN = "faults-token-0123456789"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 PROMPT = [5, 9, 17, 33, 2, 8]
 LONG = 12_000  # tokens: far longer than keepalive needs to find a dead link (10 s + 5 s), on any CPU
-KEEPALIVE_BOUND_S = 40.0  # keepalive's 15 s, with room for a slow machine; the call's deadline is 120 s
+KEEPALIVE_BOUND_S = 40.0  # waits on keepalive's 15 s, with room for a slow machine (calls: 120 s)
 
 
 @dataclass
@@ -143,12 +142,11 @@ def test_a_partition_mid_stream_ends_the_stream_with_an_error_and_frees_the_work
     assert a.load().running == 1, "the stream is not decoding on A"
 
     proxy.mode = BLACKHOLE  # no FIN, no RST: the link just goes silent
-    cut_at = time.monotonic()
     with pytest.raises(grpc.RpcError) as failed:
         for _ in responses:
             pass
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
-    assert time.monotonic() - cut_at < KEEPALIVE_BOUND_S, "found by the deadline, not by keepalive"
+    # UNAVAILABLE, not DEADLINE_EXCEEDED: the dead link was found by keepalive, not by the call's deadline
 
     after_a = wait_idle(a.stub, MD, timeout_s=KEEPALIVE_BOUND_S)  # A aborted the stream it could not send
     assert after_a.requests_aborted_total == before_a.requests_aborted_total + 1
