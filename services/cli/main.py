@@ -18,7 +18,19 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import bench, codec, config, generate, keys, models, router, status, up, worker
+    from services.cli import (
+        bench,
+        canary,
+        codec,
+        config,
+        generate,
+        keys,
+        models,
+        router,
+        status,
+        up,
+        worker,
+    )
 
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -31,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     codec.register(sub)
     up.register(sub)
     status.register(sub)
+    canary.register(sub)
     keys.register(sub)
     return parser
 

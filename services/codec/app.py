@@ -134,7 +134,12 @@ def create_app(
         larger={"/v1/files": upload_bytes, "/v1/messages/batches": upload_bytes} if batches else {},
     )
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
-    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, leak_bytes=leak_bytes_from_env())
+    app.add_middleware(
+        RequestContextMiddleware,
+        metrics=state.metrics,
+        leak_bytes=leak_bytes_from_env(),
+        release_headers=state.identity.release_headers,
+    )
     # Outermost: each WebSocket turn comes back in through the whole HTTP stack above.
     hub = WebSocketHub(config.responses.websocket, config.server.max_connections, state.metrics)
     app.state.responses_ws = hub

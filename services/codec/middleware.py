@@ -2,7 +2,8 @@
 
 `RequestContextMiddleware` (outermost) gives every request an ID (a sane client `x-request-id`, else
 `req_<hex>`) and an inward ID that is always the server's own (`new_request_ids`), puts them and a
-`RequestStats` in the scope state, adds `x-request-id` to every response,
+`RequestStats` in the scope state, adds `x-request-id` and the release's headers (model version and
+fingerprint, state.CodecIdentity.release_headers) to every response,
 turns an exception nothing else handled into a 500 in OpenAI's shape (logged with the ID, never
 leaked), and when the response is done records metrics and writes the request's one audit line (JSON,
 logger "kvrelay.access"): key ID, tenant, route, status, timings and token counts, never text. A
@@ -69,10 +70,17 @@ def _fresh_pages(size: int) -> mmap.mmap:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: CodecMetrics, leak_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: CodecMetrics,
+        leak_bytes: int = 0,
+        release_headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.leak_bytes = leak_bytes
+        self.release_headers = release_headers  # which release answered (state.CodecIdentity)
         self.leaked: list[tuple[RequestStats, mmap.mmap]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,6 +99,8 @@ class RequestContextMiddleware:
                 response.update(status=message["status"], started=True)
                 headers = MutableHeaders(scope=message)
                 headers.append(REQUEST_ID_HEADER, request_id)
+                for name, value in self.release_headers:
+                    headers.append(name, value)
                 if stats.result_cache is not None:  # hit, miss or skip: the request asked for it
                     headers.append(results.RESPONSE_HEADER, stats.result_cache)
                 if stats.priority_class is not None:  # the class that served a generation request

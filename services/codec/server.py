@@ -62,8 +62,12 @@ def load_tokenizer(model_dir: Path, config: KvrelayConfig) -> tuple[Tokenizer, C
     """The verified tokenizer and who we are. Raises ModelLoadError subclasses on a bad directory."""
     manifest = load_verified_manifest(model_dir, scope="tokenizer")
     tokenizer = Tokenizer.from_dir(model_dir)
-    name = config.model.served_name or model_dir.resolve().name
-    return tokenizer, CodecIdentity(name, manifest.tokenizer_fingerprint, manifest.model_fingerprint)
+    version = model_dir.resolve().name
+    name = config.model.served_name or version
+    identity = CodecIdentity(
+        name, manifest.tokenizer_fingerprint, manifest.model_fingerprint, model_version=version
+    )
+    return tokenizer, identity
 
 
 def connect_backend(router_address: str, tls: TlsConfig | None = None) -> Backend:

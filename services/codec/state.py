@@ -33,6 +33,12 @@ from services.common.config import KvrelayConfig
 from services.common.errors import ConfigError, InvalidRequestError
 
 FINGERPRINT_PREFIX_LEN = 12
+# Which release answered (a grey release's canary or the main one): on every HTTP response and in every
+# public gRPC call's initial metadata. The version is the model directory's name (the chart's
+# model.version); the fingerprint the first 16 hex digits of the weights' (else the tokenizer's).
+MODEL_VERSION_HEADER = "x-kvrelay-model-version"
+MODEL_FINGERPRINT_HEADER = "x-kvrelay-model-fingerprint"
+RELEASE_FINGERPRINT_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,16 @@ class CodecIdentity:
     model_name: str
     tokenizer_fingerprint: str
     model_fingerprint: str = ""
+    model_version: str = ""  # the model directory's name
+
+    @property
+    def release_headers(self) -> tuple[tuple[str, str], ...]:
+        """The headers (and gRPC metadata) that say which release answered."""
+        source = self.model_fingerprint or self.tokenizer_fingerprint
+        headers = [(MODEL_FINGERPRINT_HEADER, source[:RELEASE_FINGERPRINT_LEN])]
+        if self.model_version:
+            headers.insert(0, (MODEL_VERSION_HEADER, self.model_version))
+        return tuple(headers)
 
     @property
     def system_fingerprint(self) -> str:

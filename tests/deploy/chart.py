@@ -34,7 +34,11 @@ CRD_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("cert-manager.io/v1", "Certificate"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),  # gateway_errors: the Gateway API's own schema
+    ("gateway.networking.k8s.io/v1", "GRPCRoute"),
 }
+# The Gateway API's HTTPRoute and GRPCRoute schemas (v1.3.0, standard channel), vendored.
+GATEWAY_SCHEMAS = Path(__file__).with_name("gateway-api-routes.schema.json")
 
 RELEASE = "kv"
 NAMESPACE = "serving"
@@ -108,6 +112,19 @@ def validation_errors(obj: Mapping[str, Any], version: str = KUBE_VERSION) -> li
     return [
         f"{'.'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
         for error in validator.iter_errors(dict(obj))
+    ]
+
+
+def gateway_errors(obj: Mapping[str, Any]) -> list[str]:
+    """Every violation of a rendered HTTPRoute or GRPCRoute against the Gateway API's own CRD schema."""
+    import json
+
+    import jsonschema
+
+    schema = json.loads(GATEWAY_SCHEMAS.read_text())[obj["kind"]]
+    return [
+        f"{'.'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
+        for error in jsonschema.Draft7Validator(schema).iter_errors(dict(obj))
     ]
 
 

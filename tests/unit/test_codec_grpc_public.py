@@ -259,7 +259,10 @@ async def test_request_id_and_deadline(api: Api) -> None:
     api.fake.script = scripted([[28]])
     call = api.stub.Chat(chat(), metadata=(("x-request-id", "client-7"),), timeout=3.0)
     [_ async for _ in call]
-    assert ("x-request-id", "client-7") in list(await call.initial_metadata())
+    metadata = list(await call.initial_metadata())
+    assert ("x-request-id", "client-7") in metadata
+    fingerprint = api.state.identity.model_fingerprint[:16]
+    assert ("x-kvrelay-model-fingerprint", fingerprint) in metadata, "which release answered"
     seen = api.fake.seen[0]
     assert re.fullmatch(r"req_[0-9a-f]{24}", seen.request_id), "the inward ID is the server's own"
     assert seen.timeout_s is not None and seen.timeout_s <= 3.1  # grpc-timeout rounds the deadline up

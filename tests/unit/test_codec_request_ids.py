@@ -4,6 +4,7 @@ one client twice) with one ID never share an ID behind the codec."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -76,3 +77,16 @@ async def test_without_a_client_id_the_response_names_the_inward_id(
     assert reply.status_code == 200
     assert reply.headers["x-request-id"] == fake.seen[0].request_id
     assert INWARD.fullmatch(fake.seen[0].request_id)
+
+
+async def test_every_response_says_which_release_answered(
+    model_dir: Path, tokenizer: Tokenizer, fake: FakeBackend
+) -> None:
+    identity = dataclasses.replace(identity_for(model_dir), model_version="smollm2-v2")
+    app = make_app(tokenizer, fake, identity)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codec") as client:
+        replies = [await client.post("/v1/chat/completions", json=CHAT), await client.get("/v1/nope")]
+    assert [r.status_code for r in replies] == [200, 404]
+    for reply in replies:  # errors too: a canary's failures must name the canary
+        assert reply.headers["x-kvrelay-model-version"] == "smollm2-v2"
+        assert reply.headers["x-kvrelay-model-fingerprint"] == identity.model_fingerprint[:16]

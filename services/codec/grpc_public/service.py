@@ -166,7 +166,9 @@ class InferenceServicer(public_pb2_grpc.InferenceServicer):
     ) -> None:
         """Runs one RPC: request ID, the stream, the error status, metrics and the access log."""
         request_id, backend_request_id = new_request_ids(_metadata_value(context, REQUEST_ID_KEY))
-        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+        # which release answered, as over HTTP
+        metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, request_id),)
+        await context.send_initial_metadata(metadata + self._state.identity.release_headers)
         stats = RequestStats(request_id=request_id, protocol=PROTOCOLS[method], tenant=rpc_tenant())
         status = STATUS_OK
         route = f"/{SERVICE_NAME}/{method}"

@@ -1,7 +1,7 @@
 {{/* Batches (batches.enabled, docs/batches.md): the batch store, PostgreSQL, bundled or external. */}}
 
 {{- define "kvrelay.batchStorePasswordSecretName" -}}
-{{- default (include "kvrelay.componentName" (dict "root" . "component" "batch-store-auth")) .Values.batches.store.auth.existingSecret }}
+{{- default (include "kvrelay.stateName" (dict "root" . "component" "batch-store-auth")) .Values.batches.store.auth.existingSecret }}
 {{- end }}
 
 {{- define "kvrelay.batchStoreClaimName" -}}
@@ -25,7 +25,7 @@
       name: {{ include "kvrelay.batchStorePasswordSecretName" . }}
       key: {{ $b.store.auth.key }}
 - name: KVRELAY_BATCHES__STORE_URL
-  value: {{ printf "postgresql://kvrelay:$(BATCH_STORE_PASSWORD)@%s:5432/kvrelay" (include "kvrelay.componentName" (dict "root" . "component" "batch-store")) | quote }}
+  value: {{ printf "postgresql://kvrelay:$(BATCH_STORE_PASSWORD)@%s:5432/kvrelay" (include "kvrelay.stateName" (dict "root" . "component" "batch-store")) | quote }}
 {{- else }}
 - name: KVRELAY_BATCHES__STORE_URL
   valueFrom:

@@ -26,6 +26,7 @@ spec:
     metadata:
       labels:
         {{- include "kvrelay.labels" (dict "root" . "component" $component) | nindent 8 }}
+        kvrelay.dev/state: {{ include "kvrelay.stateRelease" . }}  # whose Redis, queue and batch store it uses
       annotations:
         checksum/config: {{ include "kvrelay.configYaml" . | sha256sum }}
         kvrelay.dev/model-version: {{ .Values.model.version | quote }}

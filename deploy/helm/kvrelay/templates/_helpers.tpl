@@ -15,6 +15,22 @@
 {{- printf "%s-%s" (include "kvrelay.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* Grey release (greyRelease.main): the release whose state this one uses, its bundled Redis, queue Redis and
+     batch store (their Services, password Secrets and pods); itself when greyRelease.main is empty. */}}
+{{- define "kvrelay.stateRelease" -}}
+{{- default (include "kvrelay.fullname" .) .Values.greyRelease.main }}
+{{- end }}
+
+{{/* "<state release>-<component>": a stateful component's Service or Secret, the main release's in a canary. */}}
+{{- define "kvrelay.stateName" -}}
+{{- printf "%s-%s" (include "kvrelay.stateRelease" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "true" unless this release is a canary using another release's state (it then renders none of its own). */}}
+{{- define "kvrelay.ownsState" -}}
+{{- if not .Values.greyRelease.main }}true{{ end }}
+{{- end }}
+
 {{- define "kvrelay.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}

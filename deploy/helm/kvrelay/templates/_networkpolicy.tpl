@@ -7,6 +7,28 @@
       {{- include "kvrelay.selectorLabels" . | nindent 6 }}
 {{- end }}
 
+{{/* A peer selecting one stateful component's pods (bundled Redis, queue, batch store) of the release whose
+     state this one uses (greyRelease.main, else this release). Call with (dict "root" $ "component" NAME). */}}
+{{- define "kvrelay.statePeer" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "kvrelay.name" .root }}
+      app.kubernetes.io/instance: {{ include "kvrelay.stateRelease" .root }}
+      app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every codec and drainer pod that uses this release's state, a canary's (greyRelease.main) included: they
+     carry kvrelay.dev/state: <the state's release>. */}}
+{{- define "kvrelay.stateClientPeers" -}}
+{{- range $component := list "codec" "drainer" }}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "kvrelay.name" $ }}
+      app.kubernetes.io/component: {{ $component }}
+      kvrelay.dev/state: {{ include "kvrelay.stateRelease" $ }}
+{{- end }}
+{{- end }}
+
 {{/* The pods that run the codec: the codec's, and the drainers' (the same pod with --drain) when the async
      lane is on. */}}
 {{- define "kvrelay.codecPeers" -}}

@@ -1,7 +1,7 @@
 {{/* The async lane's queue (queue.enabled, docs/async.md): a Redis of its own role and its drainers. */}}
 
 {{- define "kvrelay.queuePasswordSecretName" -}}
-{{- default (include "kvrelay.componentName" (dict "root" . "component" "queue-auth")) .Values.queue.redis.auth.existingSecret }}
+{{- default (include "kvrelay.stateName" (dict "root" . "component" "queue-auth")) .Values.queue.redis.auth.existingSecret }}
 {{- end }}
 
 {{- define "kvrelay.queueClaimName" -}}
@@ -20,7 +20,7 @@
       name: {{ include "kvrelay.queuePasswordSecretName" $root }}
       key: {{ $q.redis.auth.key }}
 - name: KVRELAY_QUEUE__URL
-  value: {{ printf "redis://:$(QUEUE_PASSWORD)@%s:6379/0" (include "kvrelay.componentName" (dict "root" $root "component" "queue")) | quote }}
+  value: {{ printf "redis://:$(QUEUE_PASSWORD)@%s:6379/0" (include "kvrelay.stateName" (dict "root" $root "component" "queue")) | quote }}
 - name: KVRELAY_QUEUE__KEY_PREFIX
   value: {{ $q.keyPrefix | quote }}
 - name: KVRELAY_QUEUE__CLAIM_AFTER_MS

@@ -6,7 +6,7 @@
 {{- end }}
 
 {{- define "kvrelay.redisPasswordSecretName" -}}
-{{- default (include "kvrelay.componentName" (dict "root" . "component" "redis-auth")) .Values.redis.auth.existingSecret }}
+{{- default (include "kvrelay.stateName" (dict "root" . "component" "redis-auth")) .Values.redis.auth.existingSecret }}
 {{- end }}
 
 {{/* The bundled Redis's certificates: redis.tls.existingSecret, else the internal TLS Secret. */}}
@@ -20,7 +20,7 @@
      before it in the codec's env). With TLS: rediss://, checked against the mounted CA (redis-py passes
      ssl_ca_certs on to the connection). Call with (dict "root" $ "db" N). */}}
 {{- define "kvrelay.bundledRedisUrl" -}}
-{{- $host := include "kvrelay.componentName" (dict "root" .root "component" "redis") }}
+{{- $host := include "kvrelay.stateName" (dict "root" .root "component" "redis") }}
 {{- if .root.Values.redis.tls.enabled }}
 {{- printf "rediss://:$(REDIS_PASSWORD)@%s:6379/%d?ssl_ca_certs=%s/ca.crt" $host (int .db) (include "kvrelay.redisTlsDir" .root) }}
 {{- else }}
