@@ -6,7 +6,8 @@ the codec reports are those of the files it actually loaded. The API keys file (
 loaded before serving, once for HTTP and gRPC; without one the codec runs in open mode, which it logs and
 which it refuses on a non-loopback address unless auth.allow_open is set. With server.metrics_port,
 /metrics is served there (and not on the API port). Past server.max_connections open connections,
-uvicorn answers 503 before any work.
+uvicorn answers 503 before any work. With server.tls, both API ports speak TLS only (HTTPS, gRPC over
+TLS) with a certificate re-read on change (services/common/entry_tls.py); /metrics stays plain HTTP.
 On SIGTERM/SIGINT, HTTP and gRPC drain together (each for up to the grace period), then the backend
 closes. With `tracing.otlp_endpoint` set, spans go out as service `<prefix>-codec`, and the ones still
 buffered are exported on the way out.
@@ -37,6 +38,7 @@ from services.codec.state import CodecIdentity
 from services.codec.text.tokenizer import Tokenizer
 from services.common import tracing
 from services.common.config import KvrelayConfig, TlsConfig, WebSocketConfig, load_config
+from services.common.entry_tls import ReloadingCertificate
 from services.common.errors import ConfigError
 from services.common.logs import configure_logging
 from services.common.manifest import load_verified_manifest
@@ -111,8 +113,15 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
     check_open_mode(authenticator, options.host, allow_open=config.auth.allow_open)
     tokenizer, identity = load_tokenizer(options.model_dir, config)
     log_auth_mode(authenticator)
+    certificate = ReloadingCertificate(config.server.tls) if config.server.tls.enabled else None
     public_grpc = (
-        PublicGrpcServer(options.host, options.grpc_port, options.grace_s, authenticator)
+        PublicGrpcServer(
+            options.host,
+            options.grpc_port,
+            options.grace_s,
+            authenticator,
+            credentials=certificate.grpc_credentials() if certificate else None,
+        )
         if options.grpc_port
         else None
     )
@@ -136,6 +145,7 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
         lifespan="on",
         limit_concurrency=config.server.max_connections,  # past it: a 503 at once, no work done
         **websocket_settings(config.responses.websocket),
+        **tls_settings(certificate),
     )
     listeners = {"http": options.port, "grpc": options.grpc_port, "metrics": config.server.metrics_port}
     app.state.codec.metrics.registry.register(
@@ -153,15 +163,26 @@ async def serve(config: KvrelayConfig, options: CodecOptions) -> None:
             "router": options.router_address,
             "metrics_port": config.server.metrics_port,
             "drainer": options.drain,
+            "tls": certificate.fingerprint if certificate else None,
             "model": identity.model_name,
             "tokenizer_fingerprint": identity.tokenizer_fingerprint,
         },
     )
     tracing.setup_tracing(config.tracing, "codec")
+    watcher = asyncio.create_task(certificate.watch()) if certificate else None
     try:
         await CodecServer(server_config, public_grpc, options.grace_s).serve()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         tracing.shutdown_tracing()  # export the spans still buffered
+
+
+def tls_settings(certificate: ReloadingCertificate | None) -> dict[str, Any]:
+    """uvicorn's TLS: the listening context from the reloading certificate (entry_tls.py), or none."""
+    if certificate is None:
+        return {}
+    return {"ssl_context_factory": lambda _config, _default: certificate.server_context()}
 
 
 def websocket_settings(config: WebSocketConfig) -> dict[str, Any]:

@@ -377,6 +377,26 @@ class TracingConfig(_Section):
         return value
 
 
+class EntryTlsConfig(_Section):
+    """TLS on the codec's API ports, HTTP and public gRPC (services/common/entry_tls.py); off unless both
+    files are set. The files are re-read every reload_interval_s: a rotated certificate is served without
+    a restart."""
+
+    cert_file: str | None = Field(default=None, min_length=1)
+    key_file: str | None = Field(default=None, min_length=1)
+    reload_interval_s: float = Field(default=10.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file and self.key_file)
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> EntryTlsConfig:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("server.tls needs both cert_file and key_file, or neither")
+        return self
+
+
 class ServerConfig(_Section):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
@@ -384,6 +404,7 @@ class ServerConfig(_Section):
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     # Open HTTP connections at once; past it uvicorn answers 503 at once (no work, no queue).
     max_connections: int = Field(default=1024, gt=0)
+    tls: EntryTlsConfig = EntryTlsConfig()  # HTTPS and gRPC over TLS on the API ports
 
 
 class KvrelayConfig(_Section):

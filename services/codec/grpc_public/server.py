@@ -58,10 +58,16 @@ class PublicGrpcServer:
     """One public gRPC server. `port` is the bound port once started (useful when asked for port 0)."""
 
     def __init__(
-        self, host: str, port: int, grace_s: float, authenticator: Authenticator | None = None
+        self,
+        host: str,
+        port: int,
+        grace_s: float,
+        authenticator: Authenticator | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.host = host
         self.port = port
+        self._credentials = credentials  # TLS (entry_tls.ReloadingCertificate); None: plaintext
         self._grace_s = grace_s
         self._authenticator = authenticator  # None: built from the state's config at start
         self._server: grpc.aio.Server | None = None
@@ -93,7 +99,10 @@ class PublicGrpcServer:
         public_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(state), server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(REFLECTED_SERVICE_NAMES, server)
-        self.port = server.add_insecure_port(self.address)
+        if self._credentials is not None:
+            self.port = server.add_secure_port(self.address, self._credentials)
+        else:
+            self.port = server.add_insecure_port(self.address)
         for name in HEALTH_SERVICE_NAMES:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()

@@ -23,6 +23,9 @@
 {{- if and .Values.batches.enabled (not .Values.batches.store.bundled) (not .Values.batches.store.external.existingSecret) }}
 {{- fail "batches.store.bundled is false: name the Secret holding your PostgreSQL URL in batches.store.external.existingSecret" }}
 {{- end }}
+{{- if and .Values.codec.tls.enabled (not .Values.codec.tls.existingSecret) }}
+{{- fail "codec.tls.enabled needs codec.tls.existingSecret: a kubernetes.io/tls Secret (tls.crt, tls.key) with the API's certificate, e.g. the one a cert-manager Certificate writes" }}
+{{- end }}
 {{- include "kvrelay.checkConfigKeys" . }}
 {{- include "kvrelay.checkKvTiers" . }}
 {{- end }}
@@ -35,7 +38,7 @@
       "auth" (dict "keys_file" "auth.existingSecret and auth.key" "allow_open" "auth.allowOpen")
       "quotas" (dict "redis_url" "redis.enabled or redis.external")
       "responses" (dict "redis_url" "redis.enabled or redis.external" "key_prefix" "redis.responsesKeyPrefix" "compaction_keys_file" "responses.compactionKeys.existingSecret")
-      "server" (dict "metrics_port" "codec.metricsPort")
+      "server" (dict "metrics_port" "codec.metricsPort" "tls" "codec.tls")
       "batches" (dict "store_url" "batches.store" "max_file_bytes" "batches.maxFileBytes" "max_lines" "batches.maxLines")
       "internal_tls" (dict "cert_file" "internalTls" "key_file" "internalTls" "ca_file" "internalTls") }}
 {{- range $section, $keys := $owned }}

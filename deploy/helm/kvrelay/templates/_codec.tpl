@@ -103,6 +103,15 @@ spec:
             - name: KVRELAY_SERVER__METRICS_PORT
               value: {{ $c.metricsPort | quote }}
             {{- end }}
+            {{- if $c.tls.enabled }}
+            # HTTPS and gRPC over TLS on the API ports, re-read on change (docs/deploy.md "Entry TLS")
+            - name: KVRELAY_SERVER__TLS__CERT_FILE
+              value: {{ printf "%s/tls.crt" (include "kvrelay.entryTlsDir" .) | quote }}
+            - name: KVRELAY_SERVER__TLS__KEY_FILE
+              value: {{ printf "%s/tls.key" (include "kvrelay.entryTlsDir" .) | quote }}
+            - name: KVRELAY_SERVER__TLS__RELOAD_INTERVAL_S
+              value: {{ $c.tls.reloadSeconds | quote }}
+            {{- end }}
             {{- if .Values.responses.compactionKeys.existingSecret }}
             # Read once at start; the pods roll on a change (checksum/compaction-keys, docs/deploy.md).
             - name: KVRELAY_RESPONSES__COMPACTION_KEYS_FILE
@@ -131,12 +140,18 @@ spec:
             httpGet:
               path: /health
               port: http
+              {{- if $c.tls.enabled }}
+              scheme: HTTPS
+              {{- end }}
             periodSeconds: 2
             failureThreshold: 60
           readinessProbe:
             httpGet:
               path: /ready
               port: http
+              {{- if $c.tls.enabled }}
+              scheme: HTTPS
+              {{- end }}
             periodSeconds: 5
             timeoutSeconds: 3
             failureThreshold: 2
@@ -144,6 +159,9 @@ spec:
             httpGet:
               path: /health
               port: http
+              {{- if $c.tls.enabled }}
+              scheme: HTTPS
+              {{- end }}
             periodSeconds: 10
             timeoutSeconds: 3
             failureThreshold: 3
@@ -173,6 +191,11 @@ spec:
               mountPath: {{ include "kvrelay.compactionKeysDir" . }}
               readOnly: true
             {{- end }}
+            {{- if $c.tls.enabled }}
+            - name: entry-tls
+              mountPath: {{ include "kvrelay.entryTlsDir" . }}
+              readOnly: true
+            {{- end }}
       volumes:
         {{- include "kvrelay.volumes" . | trim | nindent 8 }}
         {{- include "kvrelay.modelVolume" . | trim | nindent 8 }}
@@ -196,6 +219,13 @@ spec:
         - name: compaction-keys
           secret:
             secretName: {{ .Values.responses.compactionKeys.existingSecret }}
+            defaultMode: 0440
+        {{- end }}
+        {{- if $c.tls.enabled }}
+        # A directory (no subPath) so a renewed certificate reaches the codec, which re-reads it.
+        - name: entry-tls
+          secret:
+            secretName: {{ $c.tls.existingSecret }}
             defaultMode: 0440
         {{- end }}
       {{- with $c.nodeSelector }}

@@ -18,6 +18,24 @@ nginx.ingress.kubernetes.io/canary-by-cookie: {{ . | quote }}
 {{- end }}
 {{- end }}
 
+{{/* An Ingress's annotations: `annotations`, then ingress.extraAnnotations, then, with codec.tls, how
+     ingress-nginx reaches the TLS codec (ingress.backendTls): backend-protocol `protocol` (HTTPS or GRPCS)
+     when it re-encrypts, ssl-passthrough when it passes the client's TLS through. */}}
+{{- define "kvrelay.ingressAnnotations" -}}
+{{- $notes := merge (deepCopy (default dict .root.Values.ingress.extraAnnotations)) (deepCopy (default dict .annotations)) }}
+{{- if .root.Values.codec.tls.enabled }}
+{{- if eq .root.Values.ingress.backendTls "passthrough" }}
+{{- $_ := set $notes "nginx.ingress.kubernetes.io/ssl-passthrough" "true" }}
+{{- $_ := unset $notes "nginx.ingress.kubernetes.io/backend-protocol" }}
+{{- else }}
+{{- $_ := set $notes "nginx.ingress.kubernetes.io/backend-protocol" .protocol }}
+{{- end }}
+{{- end }}
+{{- if $notes }}
+{{- toYaml $notes }}
+{{- end }}
+{{- end }}
+
 {{/* The cookie split as a header match (the Gateway API has none for cookies): the Cookie header holding
      name=value among its pairs. RE2 syntax, as Envoy- and nginx-based Gateways take it. */}}
 {{- define "kvrelay.cookieRegex" -}}

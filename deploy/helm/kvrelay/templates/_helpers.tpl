@@ -101,6 +101,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- define "kvrelay.configPath" -}}/etc/kvrelay/config/config.yaml{{- end }}
 {{- define "kvrelay.keysDir" -}}/etc/kvrelay/keys{{- end }}
 {{- define "kvrelay.compactionKeysDir" -}}/etc/kvrelay/compaction-keys{{- end }}
+{{- define "kvrelay.entryTlsDir" -}}/etc/kvrelay/entry-tls{{- end }}
 {{- define "kvrelay.tokenDir" -}}/var/run/kvrelay/internal-token{{- end }}
 
 {{- define "kvrelay.tokenSecretName" -}}
