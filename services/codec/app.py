@@ -12,6 +12,7 @@ from services.codec import routes_health, routes_misc
 from services.codec.admission.auth import Authenticator, AuthMiddleware
 from services.codec.backend.protocol import Backend
 from services.codec.errors import install_error_handlers
+from services.codec.grpc_public.service import PROTOCOLS as GRPC_PROTOCOLS
 from services.codec.lane.background import background_from_config
 from services.codec.lane.batches import batches_from_config
 from services.codec.lane.drainer import Drainer
@@ -24,6 +25,7 @@ from services.codec.protocols import (
     openai_chat,
     openai_completions,
     openai_files,
+    openai_responses,
     openai_responses_compact,
     openapi,
 )
@@ -36,6 +38,14 @@ from services.common.config import KvrelayConfig
 from services.common.errors import ConfigError
 
 UPLOAD_OVERHEAD_BYTES = 64 * 1024  # a multipart upload's framing and fields beside the file
+# The generation routes, whose server-error series start at zero (metrics.CodecMetrics.prime).
+PRIMED_MODULES = (
+    openai_chat,
+    openai_completions,
+    anthropic_messages,
+    openai_responses,
+    openai_responses_compact,
+)
 
 
 def create_app(
@@ -133,6 +143,8 @@ def create_app(
         max_body_bytes=config.limits.max_body_bytes,
         larger={"/v1/files": upload_bytes, "/v1/messages/batches": upload_bytes} if batches else {},
     )
+    state.metrics.prime(module.PROTOCOL for module in PRIMED_MODULES)
+    state.metrics.prime(GRPC_PROTOCOLS.values())
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
     app.add_middleware(
         RequestContextMiddleware,

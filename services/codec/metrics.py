@@ -11,7 +11,7 @@ per-tenant prefix-cache counters, fills the audit line, and is what `tenancy.ten
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -29,6 +29,7 @@ from services.common import tracing
 from services.common.process_metrics import register_process_metrics
 from services.common.tenants import DEFAULT_TENANT, Tenant
 
+PRIMED_STATUSES = ("200", "500", "502", "503", "504")  # success and the server errors a codec answers
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
@@ -228,6 +229,14 @@ class CodecMetrics:
                 yield
         finally:
             self.stage.labels(stage=stage).observe(time.perf_counter() - started)
+
+    def prime(self, protocols: Iterable[str]) -> None:
+        """Creates each protocol's success and server-error series at zero, so that the first 200 or 5xx
+        of a process is an increase Prometheus' rate() sees (a series born at 1 shows none); `kvrelay
+        canary` and the KvrelayServerErrors alert read these."""
+        for protocol in protocols:
+            for status in PRIMED_STATUSES:
+                self.requests.labels(protocol=protocol, status=status)
 
     def observe_request(self, stats: RequestStats, http_status: int) -> None:
         """Record one finished request; requests without a protocol (health, metrics) are skipped."""

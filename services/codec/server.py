@@ -64,8 +64,8 @@ def load_tokenizer(model_dir: Path, config: KvrelayConfig) -> tuple[Tokenizer, C
     """The verified tokenizer and who we are. Raises ModelLoadError subclasses on a bad directory."""
     manifest = load_verified_manifest(model_dir, scope="tokenizer")
     tokenizer = Tokenizer.from_dir(model_dir)
-    version = model_dir.resolve().name
-    name = config.model.served_name or version
+    version = model_dir.name or model_dir.resolve().name  # the directory as named (model.version)
+    name = config.model.served_name or model_dir.resolve().name
     identity = CodecIdentity(
         name, manifest.tokenizer_fingerprint, manifest.model_fingerprint, model_version=version
     )

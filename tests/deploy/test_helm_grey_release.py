@@ -23,6 +23,7 @@ from tests.deploy.chart import (
     env_of,
     find,
     gateway_errors,
+    helm_error,
     one,
     render,
     validation_errors,
@@ -109,16 +110,34 @@ def test_gateway_routes_split_by_header_cookie_and_weight() -> None:
         (f"{MAIN}-codec", 90),
         (f"{CANARY}-codec", 10),
     ]
+    assert all(rule["timeouts"] == {"request": "3600s"} for rule in http["rules"])  # streams outlast 15 s
     grpc = one(objects, "GRPCRoute", f"{MAIN}-codec")["spec"]
+    assert not set(grpc["hostnames"]) & set(http["hostnames"]), "one hostname: the Gateway takes one route"
     assert grpc["rules"][0]["backendRefs"] == [{"name": f"{CANARY}-codec", "port": 50052}]
     assert [b["weight"] for b in grpc["rules"][1]["backendRefs"]] == [90, 10]
     alone = render({"gateway": {"enabled": True}}, name=MAIN)
     assert one(alone, "HTTPRoute", f"{MAIN}-codec")["spec"]["rules"] == [
         {
             "matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+            "timeouts": {"request": "3600s"},
             "backendRefs": [{"name": f"{MAIN}-codec", "port": 8000}],
         }
     ]
+
+
+def test_overlapping_route_hostnames_and_a_canary_of_itself_are_refused() -> None:
+    shared = {"enabled": True, "hostnames": ["api.example.com"], "grpc": {"hostnames": ["api.example.com"]}}
+    with pytest.raises(helm_error(), match=r"gateway\.grpc\.hostnames and gateway\.hostnames both hold"):
+        render({"gateway": shared}, name=MAIN)
+    with pytest.raises(helm_error(), match=r"greyRelease\.main names this release itself"):
+        render({"greyRelease": {"main": MAIN}}, name=MAIN)
+
+
+def test_with_a_fullname_override_the_codec_still_reaches_its_own_state() -> None:
+    objects = render({**STATEFUL, "fullnameOverride": "kvr"}, name="prod")
+    policies, pods = find(objects, "NetworkPolicy"), rendered_pods(objects, NAMESPACE)
+    for state, port in (("redis", "redis"), ("queue", "redis"), ("batch-store", "postgres")):
+        assert reachable(policies, pods["codec"], pods[state], port), state
 
 
 def test_ingress_nginx_canary_by_header_cookie_and_weight_for_http_and_grpc() -> None:
@@ -175,12 +194,17 @@ def set_value(values: dict[str, Any], assignment: str) -> None:
     node[leaf] = value
 
 
-def apply(command: list[str], releases: dict[str, dict[str, Any]]) -> str:
-    """Applies one documented helm command to `releases` (name -> values); returns the release touched."""
+def apply(command: list[str], releases: dict[str, dict[str, Any]], files: dict[str, dict[str, Any]]) -> str:
+    """Applies one documented helm command to `releases` (name -> values) as Helm would; `helm get values
+    ... > FILE` keeps a copy in `files` for a later `-f FILE`. Returns the release named."""
     verb, name = command[1], command[2]
     if verb == "uninstall":
         del releases[name]
         return name
+    if verb == "get":
+        assert command[2:4] == ["values", command[3]] and command[-2] == ">", command
+        files[command[-1]] = copy.deepcopy(releases[command[3]])
+        return command[3]
     assert command[3] == "deploy/helm/kvrelay" and command[4:6] == ["-n", "serving"], command
     flags = command[6:]
     if verb == "install":
@@ -190,18 +214,21 @@ def apply(command: list[str], releases: dict[str, dict[str, Any]]) -> str:
         assert verb == "upgrade" and "--reuse-values" in flags, command
         values = copy.deepcopy(releases[name])
     for flag, argument in itertools.pairwise(flags):
-        if flag == "--set":
+        if flag == "-f":
+            values = copy.deepcopy(files[argument])
+        elif flag == "--set":
             set_value(values, argument)
     releases[name] = values
     return name
 
 
 INSTALLED_MAIN: dict[str, Any] = {  # the main release as Install makes it, with the Gateway and keys
-    "model": {"version": "smollm2-135m-instruct", "fingerprint": FINGERPRINT, "servedName": "smollm2"},
+    "model": {"version": "smollm2-135m-instruct", "fingerprint": FINGERPRINT},
     "auth": {"existingSecret": "kvrelay-api-keys"},
     "responses": {"compactionKeys": {"existingSecret": "kvrelay-compaction-keys"}},
     "gateway": {"enabled": True},
     "ingress": {"enabled": True, "grpc": {"enabled": True}},
+    **STATEFUL,
 }
 
 
@@ -209,16 +236,22 @@ def run_scenario(commands: list[list[str]]) -> dict[str, dict[str, Any]]:
     """Applies the helm commands in order, rendering and validating each release touched; returns the
     releases left installed."""
     releases: dict[str, dict[str, Any]] = {MAIN: copy.deepcopy(INSTALLED_MAIN)}
+    files: dict[str, dict[str, Any]] = {}
     for command in commands:
-        name = apply(command, releases)
+        name = apply(command, releases, files)
         if name not in releases:
             continue
         objects = render(releases[name], name=name, base=False)
         valid(objects)
-        if name == CANARY:  # its codec uses the main release's Redis and keys
+        if name == CANARY:  # its codec uses the main release's state, keys and model name
             env = codec_env(objects, CANARY)
             assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == f"{MAIN}-redis-auth"
-            assert not find(objects, "Deployment", f"{CANARY}-redis")
+            assert f"@{MAIN}-queue:" in env["KVRELAY_QUEUE__URL"]["value"]
+            assert f"@{MAIN}-batch-store:" in env["KVRELAY_BATCHES__STORE_URL"]["value"]
+            assert not {o["metadata"]["name"] for o in objects} & {f"{CANARY}-redis", f"{CANARY}-queue"}
+            assert releases[CANARY]["responses"] == releases[MAIN]["responses"]
+            assert releases[CANARY]["model"]["servedName"] == "smollm2-135m-instruct"  # the main's name
+            assert not find(objects, "HTTPRoute"), "the canary renders no route of its own"
         canary = releases[MAIN]["gateway"].get("canary", {})
         if name == MAIN and canary.get("release"):
             rules = one(objects, "HTTPRoute", f"{MAIN}-codec")["spec"]["rules"]

@@ -121,8 +121,6 @@ def prometheus(codecs: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
     assert found.returncode == 0, found.stderr
     binary = Path(found.stdout.strip().splitlines()[-1]).with_name("prometheus")
     assert binary.is_file(), f"no prometheus beside {binary.parent}/promtool"
-    for url in (codecs["main"], codecs["canary"]):  # the counters' series exist before the first scrape
-        turn(client(url), "Hello", store=False)
     home = tmp_path_factory.mktemp("prometheus")
     targets = [
         {"targets": [codecs[role].removeprefix("http://")], "labels": {"service": f"{release}-codec"}}

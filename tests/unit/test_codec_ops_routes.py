@@ -176,6 +176,9 @@ def sample_values(text: str) -> dict[str, float]:
 
 async def test_metrics_counters_rise_by_exactly_n(client: httpx.AsyncClient, fake: FakeBackend) -> None:
     before = sample_values((await client.get("/metrics")).text)
+    for protocol in ("chat.completions", "completions", "anthropic.messages", "responses", "grpc.chat"):
+        for status in ("200", "500", "503"):  # there at zero before any request: rate() sees the first one
+            assert before[f'kvrelay_requests_total{{protocol="{protocol}",status="{status}"}}'] == 0.0
     num_ok, num_bad = 3, 2
     for _ in range(num_ok):
         assert (

@@ -23,6 +23,20 @@
 {{- if and .Values.batches.enabled (not .Values.batches.store.bundled) (not .Values.batches.store.external.existingSecret) }}
 {{- fail "batches.store.bundled is false: name the Secret holding your PostgreSQL URL in batches.store.external.existingSecret" }}
 {{- end }}
+{{- if and .Values.greyRelease.main (eq .Values.greyRelease.main (include "kvrelay.fullname" .)) }}
+{{- fail "greyRelease.main names this release itself: set it, in the canary release, to the main release's name" }}
+{{- end }}
+{{- $g := .Values.gateway }}
+{{- if and $g.enabled $g.grpc.enabled .Values.codec.grpcPort }}
+{{- if not $g.grpc.hostnames }}
+{{- fail "gateway.grpc.hostnames is empty: the GRPCRoute needs hostnames of its own (a Gateway accepts only one of an HTTPRoute and a GRPCRoute on one hostname), or set gateway.grpc.enabled false" }}
+{{- end }}
+{{- range $g.grpc.hostnames }}
+{{- if has . $g.hostnames }}
+{{- fail (printf "gateway.grpc.hostnames and gateway.hostnames both hold %s: a Gateway accepts only one of an HTTPRoute and a GRPCRoute on one hostname" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.codec.tls.enabled (not .Values.codec.tls.existingSecret) }}
 {{- fail "codec.tls.enabled needs codec.tls.existingSecret: a kubernetes.io/tls Secret (tls.crt, tls.key) with the API's certificate, e.g. the one a cert-manager Certificate writes" }}
 {{- end }}

@@ -13,13 +13,15 @@
 - podSelector:
     matchLabels:
       app.kubernetes.io/name: {{ include "kvrelay.name" .root }}
-      app.kubernetes.io/instance: {{ include "kvrelay.stateRelease" .root }}
+      app.kubernetes.io/instance: {{ default .root.Release.Name .root.Values.greyRelease.main }}
       app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* Every codec and drainer pod that uses this release's state, a canary's (greyRelease.main) included: they
-     carry kvrelay.dev/state: <the state's release>. */}}
+     carry kvrelay.dev/state: <the state's release>; and this release's own by their instance, as before that
+     label (pods of an older chart, while an upgrade rolls). */}}
 {{- define "kvrelay.stateClientPeers" -}}
+{{- include "kvrelay.codecPeers" . }}
 {{- range $component := list "codec" "drainer" }}
 - podSelector:
     matchLabels:
