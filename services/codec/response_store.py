@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.codec.errors import StoreUnavailableError
+from services.common import redis_url
 from services.common.config import ResponsesConfig
 
 REDIS_URL_ENV = "KVRELAY_RESPONSES_REDIS_URL"  # before responses.redis_url existed; still read
@@ -243,7 +244,7 @@ class RedisResponseStore(ResponseStore):
         max_bytes: int = DEFAULT_MAX_BYTES,
         timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
     ) -> RedisResponseStore:
-        client = aioredis.Redis.from_url(
+        client = redis_url.async_client(
             url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         return cls(client, ttl_s=ttl_s, key_prefix=key_prefix, max_entries=max_entries, max_bytes=max_bytes)

@@ -218,7 +218,8 @@ class QueueConfig(_Section):
     Redis of the queue role (noeviction, AOF on), and drainers run them at spare capacity. No url:
     background work is refused (a 400 that says so)."""
 
-    url: str | None = Field(default=None, min_length=1)  # redis:// or rediss://
+    # redis://, rediss:// or redis+sentinel:// (services/common/redis_url.py)
+    url: str | None = Field(default=None, min_length=1)
     key_prefix: str = Field(default="kvrelay:queue:", min_length=1, max_length=128)
     socket_timeout_ms: int = Field(default=2000, gt=0)  # a silent Redis costs a request at most this
     # A job whose drainer has not renewed its claim this long (it died) is taken over by another.
@@ -256,7 +257,8 @@ class ResultCacheConfig(_Section):
     `x-kvrelay-result-cache: use` by a tenant listed here, answered from a stored result. Off without a
     Redis: `url`, else the shared KV tier's (kv_tiers.shared_url)."""
 
-    url: str | None = Field(default=None, min_length=1)  # redis:// or rediss://
+    # redis://, rediss:// or redis+sentinel:// (services/common/redis_url.py)
+    url: str | None = Field(default=None, min_length=1)
     tenants: list[str] = Field(default_factory=list)  # the tenants that opted in; "*": every tenant
     ttl_s: int = Field(default=3600, gt=0)
     max_entry_bytes: int = Field(default=1 << 20, gt=0)  # a larger result is not stored
@@ -312,7 +314,8 @@ class KvTiersConfig(_Section):
 
     disk_path: str | None = Field(default=None, min_length=1)  # a node directory, shared by its workers
     disk_capacity_mb: int = Field(default=10_240, gt=0)
-    shared_url: str | None = Field(default=None, min_length=1)  # redis:// or rediss://, a Redis of its own
+    # redis://, rediss:// or redis+sentinel:// (services/common/redis_url.py), a Redis of its own
+    shared_url: str | None = Field(default=None, min_length=1)
     segment_tokens: int = Field(default=256, gt=0)  # a multiple of engine.block_size
     ttl_s: int = Field(default=86_400, gt=0)  # the shared tier's TTL, refreshed by a hit
     timeout_ms: int = Field(default=200, gt=0)  # any one call to the shared tier

@@ -25,6 +25,7 @@ from collections import deque
 
 import redis
 
+from services.common import redis_url
 from services.kvcache.segment import tenant_of
 from services.kvcache.tier import EVICTED_KEPT, TierUnavailable
 
@@ -142,7 +143,7 @@ class RedisTier:
         tenant_capacity_bytes: int = 0,
     ) -> RedisTier:
         """A client for `url` (redis:// or rediss:// for TLS) whose every call gives up after `timeout_s`."""
-        client = redis.Redis.from_url(
+        client = redis_url.sync_client(
             url,
             password=password,
             socket_timeout=timeout_s,

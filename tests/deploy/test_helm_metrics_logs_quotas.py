@@ -1,6 +1,6 @@
 """The codec's metrics on a port of their own (scraped there, open to the scrapers only), a log level for
-every stage, and quotas that fail closed with Redis down unless told otherwise, dividing by the most
-codec replicas there can be when falling back."""
+every stage, and quotas that, with Redis down, fall back to each codec's share of the limits unless told
+to fail closed, dividing by the most codec replicas there can be."""
 
 from __future__ import annotations
 
@@ -133,23 +133,23 @@ def test_values_schema_refuses_unknown_log_levels(values: dict[str, Any], compla
         ({"codec": {"autoscaling": {"enabled": False}, "replicas": 3}}, 3),
     ],
 )
-def test_quotas_fail_closed_and_fall_back_by_the_most_replicas(
+def test_quotas_fall_back_to_each_codecs_share_by_the_most_replicas(
     values: dict[str, Any], fallback_replicas: int, tmp_path: Path
 ) -> None:
     objects = render(values)
     quotas = loaded(objects, container(objects, "codec"), tmp_path).quotas
     assert quotas.backend == "redis"
-    assert quotas.fail_open is False  # Redis down: 503, unless chosen otherwise
+    assert quotas.fail_open is True  # Redis down: each codec's share of the limits, unless chosen otherwise
     assert quotas.fallback_replicas == fallback_replicas
 
 
 def test_quota_choices_in_config_are_kept(tmp_path: Path) -> None:
-    values = {"config": {"quotas": {"fail_open": True, "fallback_replicas": 5}}}
+    values = {"config": {"quotas": {"fail_open": False, "fallback_replicas": 5}}}
     objects = render(values)
     quotas = loaded(objects, container(objects, "codec"), tmp_path).quotas
-    assert (quotas.fail_open, quotas.fallback_replicas) == (True, 5)
-    assert "fall back to each codec's memory" in chart.render_notes(values)
-    assert "refuse requests with 503" in chart.render_notes()
+    assert (quotas.fail_open, quotas.fallback_replicas) == (False, 5)
+    assert "refuse requests with 503" in chart.render_notes(values)
+    assert "fall back to each codec's memory" in chart.render_notes()
 
 
 def test_server_settings_in_config_are_kept(tmp_path: Path) -> None:

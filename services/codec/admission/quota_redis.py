@@ -29,6 +29,7 @@ from services.codec.admission.quota_store import (
     release_deltas,
     settle_deltas,
 )
+from services.common import redis_url
 
 DEFAULT_KEY_PREFIX = "{kvrelay-quota}:"  # the braces are a Redis Cluster hash tag: one slot for all
 STORE_TIMEOUT_S = 0.5  # connect and command timeout: a Redis that does not answer is down
@@ -166,7 +167,7 @@ class RedisQuotaStore:
         timeout_s: float = STORE_TIMEOUT_S,
         retry_interval_s: float = STORE_RETRY_INTERVAL_S,
     ) -> RedisQuotaStore:
-        client = aioredis.Redis.from_url(
+        client = redis_url.async_client(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,

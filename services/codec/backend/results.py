@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from services.codec.backend.protocol import TokenDelta
 from services.codec.metrics import ResultCacheMetrics
 from services.codec.response_store import PUT_SCRIPT
+from services.common import redis_url
 from services.common.config import KV_TIERS_PASSWORD_ENV, KvrelayConfig
 from services.common.outputs import FinishReason, TokenLogprob
 from services.common.sampling import SamplingParams
@@ -85,7 +86,7 @@ class ResultCache:
             return None
         timeout_s = settings.timeout_ms / 1000
         password = None if settings.url else environ.get(KV_TIERS_PASSWORD_ENV)
-        client = aioredis.Redis.from_url(
+        client = redis_url.async_client(
             url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         return cls(

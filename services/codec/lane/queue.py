@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from services.codec.errors import StoreUnavailableError, WireError
-from services.common import priority
+from services.common import priority, redis_url
 from services.common.errors import KvrelayError
 
 logger = logging.getLogger("kvrelay.queue")
@@ -183,7 +183,7 @@ class JobQueue:
 
     @classmethod
     def from_url(cls, url: str, fingerprint: str, socket_timeout_s: float = 2.0, **options: Any) -> JobQueue:
-        client = aioredis.Redis.from_url(
+        client = redis_url.async_client(
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,

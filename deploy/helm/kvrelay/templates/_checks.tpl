@@ -11,6 +11,9 @@
 {{- if and $tls.enabled $tls.certManager.enabled (not $tls.certManager.issuerRef.name) }}
 {{- fail "internalTls.certManager.enabled needs internalTls.certManager.issuerRef.name (an Issuer or ClusterIssuer that fills ca.crt, e.g. a CA issuer)" }}
 {{- end }}
+{{- if and .Values.redis.ha.enabled .Values.redis.tls.enabled }}
+{{- fail "redis.ha and redis.tls together are not rendered: the bundled HA Redis speaks plain TCP inside the NetworkPolicies; for TLS use an external HA Redis (redis.enabled: false, a rediss+sentinel:// URL)" }}
+{{- end }}
 {{- if and .Values.redis.tls.enabled (not .Values.redis.enabled) }}
 {{- fail "redis.tls applies to the bundled Redis (redis.enabled); for an external Redis give a rediss:// URL in redis.external" }}
 {{- end }}

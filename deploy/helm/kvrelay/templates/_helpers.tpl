@@ -141,9 +141,10 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if and (include "kvrelay.redisInUse" .) .Values.redis.quotas }}
 {{- $quotas := default dict (get $cfg "quotas") }}
 {{- $_ := set $quotas "backend" "redis" }}
-{{- /* Redis down: 503 unless the user chose to fall back to per-process limits, divided by the codec
-       replicas last seen alive, or by the most there can be when none was ever seen. */}}
-{{- if not (hasKey $quotas "fail_open") }}{{- $_ := set $quotas "fail_open" false }}{{- end }}
+{{- /* Redis down (a lone pod restarting, or the moments of an HA failover): each codec checks every limit
+       divided by the codec replicas last seen alive, or by the most there can be when none was ever seen;
+       never more than the limit. config.quotas.fail_open: false refuses with 503 instead. */}}
+{{- if not (hasKey $quotas "fail_open") }}{{- $_ := set $quotas "fail_open" true }}{{- end }}
 {{- if not (hasKey $quotas "fallback_replicas") }}
 {{- $replicas := ternary .Values.codec.autoscaling.maxReplicas .Values.codec.replicas .Values.codec.autoscaling.enabled }}
 {{- $_ := set $quotas "fallback_replicas" (max 1 (int $replicas)) }}

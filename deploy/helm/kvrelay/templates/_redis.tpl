@@ -21,7 +21,9 @@
      ssl_ca_certs on to the connection). Call with (dict "root" $ "db" N). */}}
 {{- define "kvrelay.bundledRedisUrl" -}}
 {{- $host := include "kvrelay.stateName" (dict "root" .root "component" "redis") }}
-{{- if .root.Values.redis.tls.enabled }}
+{{- if .root.Values.redis.ha.enabled }}
+{{- printf "redis+sentinel://:$(REDIS_PASSWORD)@%s-sentinel:26379/kvrelay/%d?sentinel_password=$(REDIS_PASSWORD)" $host (int .db) }}
+{{- else if .root.Values.redis.tls.enabled }}
 {{- printf "rediss://:$(REDIS_PASSWORD)@%s:6379/%d?ssl_ca_certs=%s/ca.crt" $host (int .db) (include "kvrelay.redisTlsDir" .root) }}
 {{- else }}
 {{- printf "redis://:$(REDIS_PASSWORD)@%s:6379/%d" $host (int .db) }}
