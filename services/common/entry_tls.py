@@ -79,10 +79,9 @@ class ReloadingCertificate:
         return self._pair.fingerprint
 
     def server_context(self) -> ssl.SSLContext:
-        """The listening context for HTTPS: each handshake gets the current pair's context."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self._pair.cert_path, self._pair.key_path)
+        """The listening context for HTTPS, the first pair's (nothing read again): each handshake gets the
+        current pair's context from its server-name callback."""
+        context = self._context
         context.sni_callback = self._select
         return context
 

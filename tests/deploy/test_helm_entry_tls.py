@@ -48,6 +48,8 @@ def test_ingress_nginx_reencrypts_or_passes_through(mode: str) -> None:
     else:
         assert http[PREFIX + "ssl-passthrough"] == grpc[PREFIX + "ssl-passthrough"] == "true"
         assert PREFIX + "backend-protocol" not in grpc
+    paths = one(objects, "Ingress", fullname("codec"))["spec"]["rules"][0]["http"]["paths"]
+    assert [p["path"] for p in paths] == (["/"] if mode == "passthrough" else ["/v1"])  # nginx: only "/"
     for obj in chart.find(objects, "Ingress"):
         assert chart.validation_errors(obj) == []
     plain = render({"ingress": INGRESS})
@@ -59,7 +61,17 @@ def test_ingress_nginx_reencrypts_or_passes_through(mode: str) -> None:
     )
 
 
-def test_tls_without_a_secret_or_set_in_config_is_refused() -> None:
+def test_tls_without_a_secret_or_set_in_config_or_unworkable_is_refused() -> None:
+    passthrough_canary = {
+        **TLS,
+        "ingress": {"enabled": True, "backendTls": "passthrough", "canary": {"enabled": True}},
+    }
+    with pytest.raises(chart.helm_error(), match=r"ingress\.canary with ingress\.backendTls passthrough"):
+        render(passthrough_canary)
+    with pytest.raises(chart.helm_error(), match=r"codec\.tls with codec\.metricsPort 0"):
+        render(
+            {"codec": {**TLS["codec"], "metricsPort": 0}, "metrics": {"serviceMonitor": {"enabled": True}}}
+        )
     with pytest.raises(chart.helm_error(), match=r"codec\.tls\.existingSecret"):
         render({"codec": {"tls": {"enabled": True}}})
     with pytest.raises(chart.helm_error(), match=r"config\.server\.tls: the chart sets it; set codec\.tls"):

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from services.common.redis_url import parse_sentinel_url
 from tests.deploy import chart
 from tests.deploy.chart import CHART_DIR, NAMESPACE, container, env_of, find, fullname, one, render
 from tests.deploy.netpol import Pod, reachable, rendered_pods
@@ -29,14 +30,25 @@ def test_three_pods_with_sentinels_and_the_codec_asks_the_sentinels(objects: lis
     pod = stateful["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["redis", "sentinel"]
     env = env_of(pod["containers"][1])
-    assert env["QUORUM"]["value"] == "2" and env["SENTINEL_HOST"]["value"] == fullname("redis-sentinel")
-    assert env["HEADLESS"]["value"] == f"{fullname('redis-headless')}.{NAMESPACE}.svc"
+    headless = f"{fullname('redis-headless')}.{NAMESPACE}.svc"
+    pods = [f"{fullname('redis')}-{i}.{headless}" for i in range(3)]
+    assert env["QUORUM"]["value"] == "2" and env["SENTINELS"]["value"].split() == pods
+    assert env["HEADLESS"]["value"] == headless
     assert one(objects, "Service", fullname("redis-headless"))["spec"]["publishNotReadyAddresses"] is True
     assert not find(objects, "Deployment", fullname("redis")), "no single Redis beside the set"
+    redis = pod["containers"][0]
+    assert redis["lifecycle"]["preStop"]["exec"]["command"][-1] == "prestop"  # hands the primary over
+    assert one(objects, "PodDisruptionBudget", fullname("redis"))["spec"]["maxUnavailable"] == 1
     codec = env_of(container(objects, "codec"))
-    sentinel = f"redis+sentinel://:$(REDIS_PASSWORD)@{fullname('redis-sentinel')}:26379/kvrelay"
-    assert codec["KVRELAY_QUOTAS__REDIS_URL"]["value"].startswith(f"{sentinel}/0?sentinel_password=")
-    assert codec["KVRELAY_RESPONSES__REDIS_URL"]["value"].startswith(f"{sentinel}/1?")
+    for variable, db in (("KVRELAY_QUOTAS__REDIS_URL", 0), ("KVRELAY_RESPONSES__REDIS_URL", 1)):
+        target = parse_sentinel_url(codec[variable]["value"].replace("$(REDIS_PASSWORD)", "pw"))
+        assert target.sentinels == [(p, 26379) for p in pods]  # every Sentinel, not one Service
+        assert (target.service, target.db, target.password, target.sentinel_password) == (
+            "kvrelay",
+            db,
+            "pw",
+            "pw",
+        )
     for obj in objects:
         if (obj["apiVersion"], obj["kind"]) not in chart.CRD_KINDS:
             assert chart.validation_errors(obj) == [], (obj["kind"], obj["metadata"]["name"])

@@ -21,13 +21,13 @@ by codec replicas, atomic in one Lua script).
 `Quotas` applies the configuration on top of a store, counts refusals, and follows `quotas.fail_open`
 when the store cannot be reached, both logged and counted:
 
-- fail closed (`fail_open: false`, the chart's default): a 503 with Retry-After.
-- fail open: this process checks the request against its own memory store instead, each limit divided by
-  the number of codec replicas. That number follows the autoscaler: while Redis is up, each replica
-  beats into a sorted set in it (at most every HEARTBEAT_INTERVAL_S, on the request path), and the
-  count of replicas that beat within REPLICA_ALIVE_S is kept. Never having seen Redis, a replica divides
-  by `quotas.fallback_replicas` (the chart sets the autoscaler's maximum). Settling and releasing go to
-  whichever store the reservation was charged to.
+- fail closed (`fail_open: false`): a 503 with Retry-After.
+- fail open (the default, and the chart's): this process checks the request against its own memory store
+  instead, each limit divided by the number of codec replicas. That number follows the autoscaler: while
+  Redis is up, each replica beats into a sorted set in it (at most every HEARTBEAT_INTERVAL_S, on the
+  request path), and the count of replicas that beat within REPLICA_ALIVE_S is kept. Never having seen
+  Redis, a replica divides by `quotas.fallback_replicas` (the chart sets the autoscaler's maximum).
+  Settling and releasing go to whichever store the reservation was charged to.
 """
 
 from __future__ import annotations

@@ -1,22 +1,64 @@
 #!/bin/sh
-# One pod of the bundled HA Redis (redis.ha, docs/deploy.md "Redis that survives a pod"): `redis` starts
-# the server, as a replica of whichever pod the Sentinels name primary now (pod 0 when none answers: a fresh
-# set), `sentinel` starts this pod's Sentinel watching that primary. Env: REDIS_PASSWORD, POD_NAME,
-# HEADLESS (the headless Service's DNS suffix), SENTINEL_HOST (the Sentinels' Service), SET_NAME (the
-# StatefulSet), QUORUM, DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS, MAXMEMORY.
+# One pod of the bundled HA Redis (redis.ha, docs/deploy.md "Redis that survives a pod"). `redis` starts
+# the server as a replica of the primary the Sentinels name; `sentinel` starts this pod's Sentinel watching
+# it. Only a set whose Sentinels all fail to answer is fresh: its pod 0 starts primary. A pod the Sentinels
+# still name primary (it restarted before they noticed) must not start primary again, empty, for its
+# replicas to copy: it waits until they promote another. `prestop` hands the primary's role over first;
+# `ready <port>` is the probes' check.
+# Env: REDIS_PASSWORD, POD_NAME, HEADLESS (the headless Service's DNS suffix), SENTINELS (the Sentinels'
+# pod names, space-separated), SET_NAME (the StatefulSet), QUORUM, DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS,
+# MAXMEMORY.
 set -eu
 role="$1"
 service=kvrelay
 self="${POD_NAME}.${HEADLESS}"
 
-ask_sentinels() {
-  timeout 5 redis-cli -h "$SENTINEL_HOST" -p 26379 -a "$REDIS_PASSWORD" --no-auth-warning \
-    sentinel get-master-addr-by-name "$service" 2>/dev/null | head -n 1 || true
+cli() {
+  timeout 3 redis-cli -a "$REDIS_PASSWORD" --no-auth-warning "$@" 2>/dev/null || true
 }
 
+# The primary some Sentinel names (a pod of this set, nothing else: an error reply is not a name), or "".
+ask_sentinels() {
+  for sentinel in $SENTINELS; do
+    answer="$(cli -h "$sentinel" -p 26379 sentinel get-master-addr-by-name "$service" | head -n 1)"
+    case "$answer" in
+      *."$HEADLESS") echo "$answer"; return ;;
+    esac
+  done
+}
+
+# Whether any Sentinel answers at all (a fresh set has none).
+sentinels_answer() {
+  for sentinel in $SENTINELS; do
+    if [ "$(cli -h "$sentinel" -p 26379 ping)" = PONG ]; then return 0; fi
+  done
+  return 1
+}
+
+if [ "$role" = ready ]; then  # the probes: PONG, not an error reply (LOADING, NOAUTH), on port $2
+  [ "$(cli -p "$2" ping)" = PONG ]
+  exit
+fi
+
+if [ "$role" = prestop ]; then
+  if [ "$(cli -p 6379 role | head -n 1)" = master ] && [ "$(ask_sentinels)" = "$self" ]; then
+    cli -h "$(echo $SENTINELS | cut -d ' ' -f 1)" -p 26379 sentinel failover "$service" > /dev/null
+    for _ in $(seq 1 20); do
+      if [ "$(ask_sentinels)" != "$self" ]; then break; fi
+      sleep 1
+    done
+  fi
+  exit 0
+fi
+
 primary="$(ask_sentinels)"
+# redis: named primary, but about to start empty; either: Sentinels that answer without naming a primary
+while { [ "$role" = redis ] && [ "$primary" = "$self" ]; } || { [ -z "$primary" ] && sentinels_answer; }; do
+  sleep 1
+  primary="$(ask_sentinels)"
+done
 if [ -z "$primary" ]; then
-  primary="${SET_NAME}-0.${HEADLESS}"
+  primary="${SET_NAME}-0.${HEADLESS}"  # a fresh set
 fi
 
 if [ "$role" = redis ]; then
@@ -29,10 +71,9 @@ if [ "$role" = redis ]; then
   exec "$@"
 fi
 
-# sentinel: wait until the primary's name resolves and it answers (the Sentinel refuses a name it cannot
-# resolve), then write the config the Sentinel rewrites as it learns the others.
-until timeout 5 redis-cli -h "$primary" -p 6379 -a "$REDIS_PASSWORD" --no-auth-warning ping \
-    > /dev/null 2>&1; do
+# sentinel: wait until the primary answers (the Sentinel refuses a name it cannot resolve), then write the
+# config the Sentinel rewrites as it learns the others.
+until [ "$(cli -h "$primary" -p 6379 ping)" = PONG ]; do
   sleep 1
   fresh="$(ask_sentinels)"
   if [ -n "$fresh" ]; then primary="$fresh"; fi

@@ -11,6 +11,15 @@
 {{- if and $tls.enabled $tls.certManager.enabled (not $tls.certManager.issuerRef.name) }}
 {{- fail "internalTls.certManager.enabled needs internalTls.certManager.issuerRef.name (an Issuer or ClusterIssuer that fills ca.crt, e.g. a CA issuer)" }}
 {{- end }}
+{{- if and .Values.redis.ha.enabled (not .Values.redis.enabled) }}
+{{- fail "redis.ha.enabled applies to the bundled Redis (redis.enabled); for an external HA Redis give a redis+sentinel:// URL in redis.external" }}
+{{- end }}
+{{- if and .Values.codec.tls.enabled .Values.ingress.enabled (eq .Values.ingress.backendTls "passthrough") .Values.ingress.canary.enabled }}
+{{- fail "ingress.canary with ingress.backendTls passthrough: ingress-nginx splits a canary only where it terminates TLS; use backendTls reencrypt, or the Gateway API's canary" }}
+{{- end }}
+{{- if and .Values.codec.tls.enabled (not .Values.codec.metricsPort) .Values.metrics.serviceMonitor.enabled }}
+{{- fail "codec.tls with codec.metricsPort 0: /metrics would be on the TLS port, which the ServiceMonitor scrapes in plain HTTP; keep codec.metricsPort (metrics stay plain on their own port)" }}
+{{- end }}
 {{- if and .Values.redis.ha.enabled .Values.redis.tls.enabled }}
 {{- fail "redis.ha and redis.tls together are not rendered: the bundled HA Redis speaks plain TCP inside the NetworkPolicies; for TLS use an external HA Redis (redis.enabled: false, a rediss+sentinel:// URL)" }}
 {{- end }}

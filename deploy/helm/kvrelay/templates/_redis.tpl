@@ -5,6 +5,18 @@
 {{- if and (or .Values.redis.quotas .Values.redis.responses) (or .Values.redis.enabled .Values.redis.external.url .Values.redis.external.existingSecret) }}true{{- end }}
 {{- end }}
 
+{{/* The HA Redis pods' names (redis.ha), space-separated: <set>-<i>.<headless>.<namespace>.svc, each a
+     Sentinel the clients and the other pods ask; the main release's in a canary. */}}
+{{- define "kvrelay.redisHaPods" -}}
+{{- $set := include "kvrelay.stateName" (dict "root" . "component" "redis") }}
+{{- $headless := include "kvrelay.stateName" (dict "root" . "component" "redis-headless") }}
+{{- $pods := list }}
+{{- range $i := until (int .Values.redis.ha.replicas) }}
+{{- $pods = append $pods (printf "%s-%d.%s.%s.svc" $set $i $headless $.Release.Namespace) }}
+{{- end }}
+{{- join " " $pods }}
+{{- end }}
+
 {{- define "kvrelay.redisPasswordSecretName" -}}
 {{- default (include "kvrelay.stateName" (dict "root" . "component" "redis-auth")) .Values.redis.auth.existingSecret }}
 {{- end }}
@@ -22,7 +34,8 @@
 {{- define "kvrelay.bundledRedisUrl" -}}
 {{- $host := include "kvrelay.stateName" (dict "root" .root "component" "redis") }}
 {{- if .root.Values.redis.ha.enabled }}
-{{- printf "redis+sentinel://:$(REDIS_PASSWORD)@%s-sentinel:26379/kvrelay/%d?sentinel_password=$(REDIS_PASSWORD)" $host (int .db) }}
+{{- $sentinels := splitList " " (include "kvrelay.redisHaPods" .root) }}
+{{- printf "redis+sentinel://:$(REDIS_PASSWORD)@%s/kvrelay/%d?sentinel_password=$(REDIS_PASSWORD)" (join ":26379," $sentinels | printf "%s:26379") (int .db) }}
 {{- else if .root.Values.redis.tls.enabled }}
 {{- printf "rediss://:$(REDIS_PASSWORD)@%s:6379/%d?ssl_ca_certs=%s/ca.crt" $host (int .db) (include "kvrelay.redisTlsDir" .root) }}
 {{- else }}
