@@ -45,6 +45,7 @@ from services.bench.soak.traffic import REQUEST_TIMEOUT_S, Outcomes, Traffic, dr
 from services.bench.spawn import SupervisedStack, UpSettings, UpStack, up_plan, up_specs
 from services.codec.admission.auth import KeyRecord, key_digest, new_key, write_keys_file
 from services.codec.middleware import LEAK_ENV
+from services.common.config import LimitsConfig
 from services.common.local_stack import INTERNAL_HOST, free_ports, public_url
 from services.common.probes import HttpReadyCheck
 from services.common.supervisor import ServiceSpec
@@ -70,15 +71,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--leak-kb", type=int, default=0, help="test only: the codec keeps N KB per request")
+    p.add_argument(
+        "--step-timeout-ms", type=int, default=None, help="limits.step_timeout_ms (unset: the default)"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the samples and verdict here")
     p.add_argument("--plot", type=Path, default=None, help="write RSS per process over time here (PNG)")
     p.add_argument("--logs", type=Path, default=None, help="keep the processes' logs in this directory")
     p.set_defaults(handler=run)
 
 
-def write_config(work: Path) -> tuple[Path, str]:
-    """The stack's config (served name "soak", a keys file, quotas high enough never to refuse) and the
-    tenant's API key."""
+def write_config(work: Path, step_timeout_ms: int | None = None) -> tuple[Path, str]:
+    """The stack's config (served name "soak", a keys file, quotas high enough never to refuse, the step
+    timeout when given, with a request timeout that allows it) and the tenant's API key."""
     key_id, key = new_key()
     write_keys_file(work / "keys.yaml", [KeyRecord(key_id=key_id, tenant=TENANT, sha256=key_digest(key))])
     quota = {"requests_per_minute": 100_000, "tokens_per_minute": 100_000_000, "max_concurrency": 512}
@@ -90,6 +94,14 @@ def write_config(work: Path) -> tuple[Path, str]:
         # so its growth to the (256 MB) default cap is not read as a leak.
         "responses": {"max_per_tenant": STORED_RESPONSES},
     }
+    if step_timeout_ms is not None:
+        defaults = LimitsConfig()
+        config["limits"] = {
+            "step_timeout_ms": step_timeout_ms,
+            "request_timeout_ms": max(
+                defaults.request_timeout_ms, step_timeout_ms * defaults.max_output_tokens
+            ),
+        }
     path = work / "bench-soak.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, key
@@ -230,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         )
     work = Path(tempfile.mkdtemp(prefix="kvrelay-bench-soak-"))
     logs = args.logs or work
-    config, key = write_config(work)
+    config, key = write_config(work, args.step_timeout_ms)
     stack, leaky_url = start_stack(args, config, logs)
     try:
         series, outcomes = asyncio.run(soak(args, stack, leaky_url, key))
