@@ -88,3 +88,23 @@ def test_quotas_fall_back_to_each_codecs_share_by_default(values: dict) -> None:
     assert quotas["backend"] == "redis" and quotas["fail_open"] is True
     pinned = render({**values, "config": {"quotas": {"fail_open": False}}})
     assert chart.yaml.safe_load(chart.config_yaml(pinned))["quotas"]["fail_open"] is False
+
+
+def test_the_queue_can_use_an_external_redis_that_fails_over() -> None:
+    external = {"queue": {"enabled": True, "redis": {"external": {"existingSecret": "queue-url"}}}}
+    objects = render(external)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    for kind, name in (
+        ("Deployment", "queue"),
+        ("PersistentVolumeClaim", "queue-data"),
+        ("Secret", "queue-auth"),
+    ):
+        assert (kind, fullname(name)) not in names, (kind, name)
+    assert ("NetworkPolicy", fullname("queue")) not in names
+    for stage in ("codec", "drainer"):
+        env = env_of(container(objects, stage))
+        assert env["KVRELAY_QUEUE__URL"]["valueFrom"]["secretKeyRef"] == {"name": "queue-url", "key": "url"}
+        assert "QUEUE_PASSWORD" not in env
+    for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) not in chart.CRD_KINDS:
+            assert chart.validation_errors(obj) == [], (obj["kind"], obj["metadata"]["name"])
