@@ -5,13 +5,16 @@
 # still name primary (it restarted before they noticed) must not start primary again, empty, for its
 # replicas to copy: it waits until they promote another. `prestop` hands the primary's role over first;
 # `ready <port>` is the probes' check.
-# Env: REDIS_PASSWORD, POD_NAME, HEADLESS (the headless Service's DNS suffix), SENTINELS (the Sentinels'
-# pod names, space-separated), SET_NAME (the StatefulSet), QUORUM, DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS,
-# MAXMEMORY.
+# Env: REDIS_PASSWORD, POD_NAME and HEADLESS (this pod's name is $POD_NAME.$HEADLESS, or SELF when set),
+# SENTINELS (every pod's name, pod 0 first, space-separated), QUORUM, DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS,
+# MAXMEMORY; BIND (an address to listen on; unset: every one) and DATA_DIR (/data) for running it outside a
+# pod (tests/deploy/test_redis_ha_script.py).
 set -eu
 role="$1"
 service=kvrelay
-self="${POD_NAME}.${HEADLESS}"
+self="${SELF:-${POD_NAME}.${HEADLESS}}"
+data="${DATA_DIR:-/data}"
+bind="${BIND:-}"
 
 cli() {
   timeout 3 redis-cli -a "$REDIS_PASSWORD" --no-auth-warning "$@" 2>/dev/null || true
@@ -21,8 +24,8 @@ cli() {
 ask_sentinels() {
   for sentinel in $SENTINELS; do
     answer="$(cli -h "$sentinel" -p 26379 sentinel get-master-addr-by-name "$service" | head -n 1)"
-    case "$answer" in
-      *."$HEADLESS") echo "$answer"; return ;;
+    case " $SENTINELS " in
+      *" $answer "*) if [ -n "$answer" ]; then echo "$answer"; return; fi ;;
     esac
   done
 }
@@ -36,12 +39,12 @@ sentinels_answer() {
 }
 
 if [ "$role" = ready ]; then  # the probes: PONG, not an error reply (LOADING, NOAUTH), on port $2
-  [ "$(cli -p "$2" ping)" = PONG ]
+  [ "$(cli -h "$self" -p "$2" ping)" = PONG ]
   exit
 fi
 
 if [ "$role" = prestop ]; then
-  if [ "$(cli -p 6379 role | head -n 1)" = master ] && [ "$(ask_sentinels)" = "$self" ]; then
+  if [ "$(cli -h "$self" -p 6379 role | head -n 1)" = master ] && [ "$(ask_sentinels)" = "$self" ]; then
     cli -h "$(echo $SENTINELS | cut -d ' ' -f 1)" -p 26379 sentinel failover "$service" > /dev/null
     for _ in $(seq 1 20); do
       if [ "$(ask_sentinels)" != "$self" ]; then break; fi
@@ -58,13 +61,16 @@ while { [ "$role" = redis ] && [ "$primary" = "$self" ]; } || { [ -z "$primary" 
   primary="$(ask_sentinels)"
 done
 if [ -z "$primary" ]; then
-  primary="${SET_NAME}-0.${HEADLESS}"  # a fresh set
+  primary="${SENTINELS%% *}"  # a fresh set: pod 0
 fi
 
 if [ "$role" = redis ]; then
   set -- redis-server --port 6379 --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \
-    --replica-announce-ip "$self" --save "" --appendonly no \
+    --replica-announce-ip "$self" --save "" --appendonly no --dir "$data" \
     --maxmemory "$MAXMEMORY" --maxmemory-policy volatile-lru
+  if [ -n "$bind" ]; then
+    set -- "$@" --bind "$bind"
+  fi
   if [ "$primary" != "$self" ]; then
     set -- "$@" --replicaof "$primary" 6379
   fi
@@ -78,9 +84,11 @@ until [ "$(cli -h "$primary" -p 6379 ping)" = PONG ]; do
   fresh="$(ask_sentinels)"
   if [ -n "$fresh" ]; then primary="$fresh"; fi
 done
-mkdir -p /data/sentinel
-cat > /data/sentinel/sentinel.conf <<CONF
+mkdir -p "$data/sentinel"
+cat > "$data/sentinel/sentinel.conf" <<CONF
 port 26379
+${bind:+bind $bind}
+dir ${data}/sentinel
 sentinel resolve-hostnames yes
 sentinel announce-hostnames yes
 sentinel announce-ip ${self}
@@ -92,4 +100,4 @@ sentinel down-after-milliseconds ${service} ${DOWN_AFTER_MS}
 sentinel failover-timeout ${service} ${FAILOVER_TIMEOUT_MS}
 sentinel parallel-syncs ${service} 1
 CONF
-exec redis-server /data/sentinel/sentinel.conf --sentinel
+exec redis-server "$data/sentinel/sentinel.conf" --sentinel
