@@ -38,13 +38,11 @@ from services.common.config import KvrelayConfig
 from services.common.errors import ConfigError
 
 UPLOAD_OVERHEAD_BYTES = 64 * 1024  # a multipart upload's framing and fields beside the file
-# The generation routes, whose server-error series start at zero (metrics.CodecMetrics.prime).
-PRIMED_MODULES = (
-    openai_chat,
-    openai_completions,
-    anthropic_messages,
-    openai_responses,
-    openai_responses_compact,
+# Every generation route's protocol (compaction counts as "responses"), whose success and server-error
+# series start at zero (metrics.CodecMetrics.prime).
+PRIMED_PROTOCOLS = (
+    *(module.PROTOCOL for module in (openai_chat, openai_completions, anthropic_messages, openai_responses)),
+    *GRPC_PROTOCOLS.values(),
 )
 
 
@@ -143,8 +141,7 @@ def create_app(
         max_body_bytes=config.limits.max_body_bytes,
         larger={"/v1/files": upload_bytes, "/v1/messages/batches": upload_bytes} if batches else {},
     )
-    state.metrics.prime(module.PROTOCOL for module in PRIMED_MODULES)
-    state.metrics.prime(GRPC_PROTOCOLS.values())
+    state.metrics.prime(PRIMED_PROTOCOLS)
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=state.metrics)  # before the body
     app.add_middleware(
         RequestContextMiddleware,

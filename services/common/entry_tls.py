@@ -46,15 +46,19 @@ class _Pair:
         return hashlib.sha256(self.cert_pem).hexdigest()[:16]
 
 
-def _load_pair(cert_file: str, key_file: str) -> tuple[_Pair, ssl.SSLContext]:
-    """Reads one pair and builds its server context (TLS 1.2 or later); raises OSError or ssl.SSLError when
-    it is missing or the key is not the certificate's."""
+def _read_pair(cert_file: str, key_file: str) -> _Pair:
+    """Reads one pair through its resolved paths; raises OSError when a file is missing."""
     cert_path, key_path = os.path.realpath(cert_file), os.path.realpath(key_file)
-    pair = _Pair(Path(cert_path).read_bytes(), Path(key_path).read_bytes(), cert_path, key_path)
+    return _Pair(Path(cert_path).read_bytes(), Path(key_path).read_bytes(), cert_path, key_path)
+
+
+def _server_context(pair: _Pair) -> ssl.SSLContext:
+    """A server context (TLS 1.2 or later) for `pair`; raises ssl.SSLError (or OSError) when the key is not
+    the certificate's or the files changed under it."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert_path, key_path)
-    return pair, context
+    context.load_cert_chain(pair.cert_path, pair.key_path)
+    return context
 
 
 class ReloadingCertificate:
@@ -66,7 +70,8 @@ class ReloadingCertificate:
         self.cert_file, self.key_file = config.cert_file, config.key_file
         self.interval_s = config.reload_interval_s
         try:
-            self._pair, self._context = _load_pair(self.cert_file, self.key_file)
+            self._pair = _read_pair(self.cert_file, self.key_file)
+            self._context = _server_context(self._pair)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(
                 f"server.tls: cannot load {self.cert_file} with {self.key_file}: {exc}"
@@ -111,13 +116,15 @@ class ReloadingCertificate:
 
     def check(self) -> bool:
         """Re-reads the files; loads a new, matching pair and returns True. A pair that cannot be read or
-        does not match is logged and left for the next check (the current one keeps serving)."""
+        does not match is logged and left for the next check (the current one keeps serving). An unchanged
+        pair costs two reads: a context is built only for a new one."""
         try:
-            pair, context = _load_pair(self.cert_file, self.key_file)
+            pair = _read_pair(self.cert_file, self.key_file)
+            if (pair.cert_pem, pair.key_pem) == (self._pair.cert_pem, self._pair.key_pem):
+                return False
+            context = _server_context(pair)
         except (OSError, ssl.SSLError) as exc:
             logger.warning("entry TLS: the certificate on disk cannot be loaded yet: %s", exc)
-            return False
-        if (pair.cert_pem, pair.key_pem) == (self._pair.cert_pem, self._pair.key_pem):
             return False
         self._pair, self._context = pair, context
         self.generation += 1

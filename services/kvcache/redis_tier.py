@@ -142,7 +142,8 @@ class RedisTier:
         password: str | None = None,
         tenant_capacity_bytes: int = 0,
     ) -> RedisTier:
-        """A client for `url` (redis:// or rediss:// for TLS) whose every call gives up after `timeout_s`."""
+        """A client for `url` (redis://, rediss:// for TLS, or redis+sentinel://: common/redis_url.py)
+        whose every call gives up after `timeout_s`."""
         client = redis_url.sync_client(
             url,
             password=password,
